@@ -1,0 +1,151 @@
+"""Measure the block store: key hashing, host-tier put/get and LMDB get, each beside its plain baseline.
+
+Run by hand: `.venv/bin/python benchmarks/store_bench.py`. Blocks have SmolLM2-135M's geometry in float32
+(30 layers, 3 KV heads, head_dim 64, 64 tokens a block: 2.8 MiB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from prefixgate.policies import make_policy
+from prefixgate.store import Block, BlockLayout, Namespace, chain_keys
+from prefixgate.store.lmdb_tier import LMDBTier
+from prefixgate.store.memory_tier import MemoryTier
+
+LAYOUT = BlockLayout(shape=(30, 2, 3, 64, 64), dtype=torch.float32)
+NAMESPACE = Namespace("bench-model", "bench-tokenizer", "float32", LAYOUT.shape)
+SEED = NAMESPACE.seed(bytes(32))
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> float:
+    """Return the median wall time of `run` in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_blocks(count: int) -> list[Block]:
+    tokens = list(range(count * LAYOUT.block_size))
+    keys = chain_keys(SEED, tokens, LAYOUT.block_size)
+    size = LAYOUT.block_size
+    return [
+        Block(key, tuple(tokens[i * size : (i + 1) * size]), torch.randn(LAYOUT.shape), created=1.0)
+        for i, key in enumerate(keys)
+    ]
+
+
+def bench_hashing(rows: list[tuple[str, str, str, str]]) -> None:
+    for length in (1024, 8192, 32768):
+        tokens = list(range(length))
+        seconds = best_of(50, lambda tokens=tokens: chain_keys(SEED, tokens, LAYOUT.block_size))  # type: ignore[misc]
+        rows.append((f"hash keys, {length // 1024}k tokens", f"{seconds * 1e3:.3f} ms", "target < 2 ms", ""))
+
+
+def bench_host(rows: list[tuple[str, str, str, str]], count: int) -> None:
+    blocks = make_blocks(count)
+    total = count * LAYOUT.nbytes
+    clock = time.monotonic
+    tier = MemoryTier("host", LAYOUT, total, make_policy("lru", clock=clock), clock=clock)
+    destination = torch.empty((count, *LAYOUT.shape))  # the same bytes, copied plainly
+
+    def put_all() -> None:
+        for block in blocks:
+            tier.put(block)
+
+    def copy_all() -> None:
+        for index, block in enumerate(blocks):
+            destination[index].copy_(block.kv)
+
+    def get_all() -> None:
+        for block in blocks:
+            tier.get(block.key, block.tokens)
+
+    def clone_all() -> None:
+        for index in range(count):
+            destination[index].clone()
+
+    put_all()  # touch every page of the pool once, as a running server would have
+    copy_all()
+    for name, run, baseline_name, baseline in (
+        ("host tier put", put_all, "plain copy_", copy_all),
+        ("host tier get", get_all, "plain clone", clone_all),
+    ):
+        ours, plain = best_of(5, run), best_of(5, baseline)
+        rows.append(
+            (
+                name,
+                f"{total / ours / 1e9:.2f} GB/s",
+                f"{baseline_name} {total / plain / 1e9:.2f} GB/s",
+                f"{plain / ours:.2f}x of plain (target >= 0.5x)",
+            )
+        )
+
+
+def bench_lmdb(rows: list[tuple[str, str, str, str]], count: int) -> None:
+    blocks = make_blocks(count)
+    total = count * LAYOUT.nbytes
+    with tempfile.TemporaryDirectory() as folder:
+        clock = time.monotonic
+        tier = LMDBTier(Path(folder) / "lmdb", LAYOUT, total * 2, make_policy("lru", clock=clock), clock=clock)
+        for block in blocks:
+            tier.put(block)
+        tier.flush()
+        plain = Path(folder) / "plain.bin"
+        with plain.open("wb") as file:
+            for block in blocks:
+                file.write(block.kv.numpy().tobytes())
+
+        def lmdb_get_all() -> None:
+            for block in blocks:
+                tier.get(block.key, block.tokens)
+
+        def file_read_all() -> None:
+            with plain.open("rb", buffering=0) as file:
+                for _ in range(count):
+                    buffer = bytearray(LAYOUT.nbytes)
+                    file.readinto(buffer)
+                    torch.frombuffer(buffer, dtype=torch.float32)
+
+        lmdb_get_all()  # both from a warm page cache
+        file_read_all()
+        ours, baseline = best_of(5, lmdb_get_all), best_of(5, file_read_all)
+        rows.append(
+            (
+                "LMDB tier get (verified)",
+                f"{total / ours / 1e9:.2f} GB/s",
+                f"plain file read {total / baseline / 1e9:.2f} GB/s",
+                f"{baseline / ours:.2f}x of plain (target >= 0.5x)",
+            )
+        )
+        tier.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--blocks", type=int, default=128, help="blocks per measurement (2.8 MiB each)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # copies here are memory-bound; one thread is what a store call gets
+    rows: list[tuple[str, str, str, str]] = []
+    bench_hashing(rows)
+    bench_host(rows, args.blocks)
+    bench_lmdb(rows, args.blocks)
+    print(f"block: {LAYOUT.shape} {LAYOUT.dtype}, {LAYOUT.nbytes / 2**20:.2f} MiB; {args.blocks} blocks per run")
+    header = ("measure", "prefixgate", "baseline", "ratio")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()

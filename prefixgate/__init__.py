@@ -1,0 +1,11 @@
+"""prefixgate: a prompt-caching proxy that reuses the attention KV cache of shared prompt prefixes.
+
+The subpackages `prefixgate.proxy`, `prefixgate.backends`, `prefixgate.store` and `prefixgate.policies` live in
+the repository's top-level folders of the same names; this package holds what they all share: the version and
+the exception tree.
+"""
+
+from prefixgate.errors import PrefixgateError
+
+__all__ = ["PrefixgateError", "__version__"]
+__version__ = "0.1.0"

@@ -1,0 +1,29 @@
+"""The tiered KV block store: block keys, the block codec, the device, host and disk tiers, and the store.
+
+Exports: `TieredStore` (open, lookup, fetch, put, inspect, delete, flush), its `StoreConfig` and `TierConfig`,
+`Block` and `BlockLayout`, `BlockKey`, `Namespace` and `chain_keys`, and what inspection returns
+(`PrefixMatch`, `PrefixHit`, `TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never HTTP or
+models.
+"""
+
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys
+from prefixgate.store.tier import EntryInfo, Tier, TierStats
+from prefixgate.store.tiered_store import PrefixHit, PrefixMatch, StoreConfig, TierConfig, TieredStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Block",
+    "BlockKey",
+    "BlockLayout",
+    "EntryInfo",
+    "Namespace",
+    "PrefixHit",
+    "PrefixMatch",
+    "StoreConfig",
+    "Tier",
+    "TierConfig",
+    "TierStats",
+    "TieredStore",
+    "chain_keys",
+]

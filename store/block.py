@@ -1,0 +1,72 @@
+"""The unit of caching: the K and V of `block_size` consecutive tokens for every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+
+from prefixgate.errors import BlockMismatchError
+from prefixgate.store.keys import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The shape and dtype every block of one store has."""
+
+    shape: tuple[int, ...]  # [layers, 2, kv_heads, block_size, head_dim]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 5 or self.shape[1] != 2 or min(self.shape) <= 0:
+            raise BlockMismatchError(
+                f"a block shape is [layers, 2, kv_heads, block_size, head_dim] with positive sizes, got {self.shape}"
+            )
+
+    @property
+    def block_size(self) -> int:
+        """Return the number of tokens one block covers."""
+        return self.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Return the size of one block's tensor in bytes."""
+        return prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        """Return the dtype as the short name torch uses (`float32`, `bfloat16`, ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def check(self, block: Block) -> None:
+        """Raise BlockMismatchError unless `block` fits this layout."""
+        if tuple(block.kv.shape) != self.shape or block.kv.dtype != self.dtype:
+            raise BlockMismatchError(
+                f"block {block.key.hex()} is {tuple(block.kv.shape)} {block.kv.dtype}, "
+                f"but this store holds {self.shape} {self.dtype}"
+            )
+        if len(block.tokens) != self.block_size:
+            raise BlockMismatchError(
+                f"block {block.key.hex()} covers {len(block.tokens)} tokens, but blocks here cover {self.block_size}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One cached block: its key, the token ids it covers, its KV tensor and where it came from."""
+
+    key: BlockKey
+    tokens: tuple[int, ...]
+    kv: torch.Tensor = field(repr=False)  # kv: [layers, 2, kv_heads, block_size, head_dim]
+    parent: BlockKey | None = None  # the key of the block before it; None for block 0
+    tenant: str = ""  # who computed it, for inspection; isolation comes from the key's namespace
+    created: float = 0.0  # wall-clock seconds, for inspection
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Return the torch dtype named `name` (`float32`, `bfloat16`, ...); raise ValueError on anything else."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype

@@ -1,0 +1,420 @@
+"""The disk tier: blocks in LMDB, surviving restarts and shared by processes on one machine."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lmdb
+
+from prefixgate.errors import StoreError
+from prefixgate.policies import Policy
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.codec import BlockHeader, CorruptBlockError, decode, encode, read_header
+from prefixgate.store.keys import BlockKey
+from prefixgate.store.tier import EntryInfo, Tier
+
+log = logging.getLogger(__name__)
+
+_PAGE = 4096
+_MIN_MAP_BYTES = 64 << 20
+_BATCH = 64  # operations per write transaction: one fsync for many blocks
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    block: Block
+    pinned: bool
+    ttl: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Delete:
+    key: BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class _Clear:
+    pass
+
+
+_Op = _Put | _Delete | _Clear | None  # None stops the writer
+
+
+class LMDBTier(Tier):
+    """Blocks as LMDB values (msgpack header + raw tensor bytes), written by one background thread.
+
+    Reads run in the caller's thread (the store is never called on the event loop); every write goes through
+    the writer thread, in batches, so inserts never wait for the disk. A block is visible to `get` from the
+    moment `put` returns. The map grows when full, and evicts once it reaches its ceiling.
+    """
+
+    persistent = True
+
+    def __init__(
+        self,
+        path: Path,
+        layout: BlockLayout,
+        capacity_bytes: int,
+        policy: Policy,
+        *,
+        clock: Callable[[], float],
+        name: str = "disk",
+        map_bytes: int | None = None,
+        max_map_bytes: int | None = None,
+    ) -> None:
+        super().__init__(name, layout, capacity_bytes, policy, clock)
+        self.path = path
+        # Values take whole overflow pages; the ceiling leaves room for that and LMDB's own pages.
+        value_pages = -(-(layout.nbytes + 1024) // _PAGE) + 1
+        ceiling = self.capacity_blocks * value_pages * _PAGE * 5 // 4 + _MIN_MAP_BYTES
+        self._max_map_bytes = max_map_bytes or ceiling
+        start = min(self._max_map_bytes, map_bytes or 4 * _MIN_MAP_BYTES)
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(path),
+            map_size=start,
+            subdir=True,
+            readahead=False,  # random block reads; readahead only pollutes the page cache
+            max_readers=512,
+        )
+        # The map may already be larger than asked for (another process grew it): keep that size.
+        self._env.set_mapsize(max(self._env.info()["map_size"], start))
+        self._lock = threading.RLock()
+        self._index: dict[BlockKey, BlockHeader] = {}
+        # Writes queued but not yet committed: a _Put is served from here, a _Delete hides what is on disk.
+        self._pending: dict[BlockKey, _Put | _Delete] = {}
+        self._clears_pending = 0  # while a clear is queued, nothing on disk is adopted
+        self._queue: queue.Queue[_Op] = queue.Queue()
+        self._load_index()
+        self._writer = threading.Thread(target=self._write_loop, name=f"prefixgate-{name}-writer", daemon=True)
+        self._writer.start()
+
+    # -- Tier ---------------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        return self._adopt(key) is not None
+
+    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+        with self._lock:
+            pending = self._pending.get(key)
+        if isinstance(pending, _Delete):
+            return None
+        if pending is not None:
+            block = pending.block
+            if block.tokens != tuple(tokens):
+                self._drop_corrupt(key, "tokens differ")
+                return None
+            self.touch(key)
+            return replace(block, kv=block.kv.clone())
+        try:
+            with self._begin() as txn:
+                value = txn.get(key.digest)
+                if value is None:
+                    self._forget(key)  # removed by another process
+                    return None
+                block, header = decode(key, value, self.layout)
+        except CorruptBlockError as error:
+            self._drop_corrupt(key, str(error))
+            return None
+        if block.tokens != tuple(tokens):
+            self._drop_corrupt(key, "tokens differ")
+            return None
+        with self._lock:
+            if key not in self._index:
+                self._register(key, header)
+            self.policy.touch(key)
+        return block
+
+    def peek(self, key: BlockKey) -> Block | None:
+        with self._lock:
+            header = self._index.get(key)
+        return None if header is None else self.get(key, header.tokens)
+
+    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
+        with self._lock:
+            header = self._index.get(key)
+        return None if header is None else (header.pinned, header.ttl)
+
+    def touch(self, key: BlockKey) -> None:
+        with self._lock:
+            self.policy.touch(key)
+
+    def victim(self) -> BlockKey | None:
+        with self._lock:
+            return super().victim()
+
+    def expired(self) -> list[BlockKey]:
+        with self._lock:
+            return super().expired()
+
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
+        self.layout.check(block)
+        op = _Put(block, pinned, ttl)
+        with self._lock:
+            self._index[block.key] = self._header_of(op)
+            self._pending[block.key] = op
+            self.policy.insert(block.key, ttl=self._ttl_left(block.created, ttl), pinned=pinned)
+            self._queue.put(op)
+
+    def remove(self, key: BlockKey) -> bool:
+        op = _Delete(key)
+        with self._lock:
+            held = self._index.pop(key, None) is not None
+            self._pending[key] = op
+            self.policy.remove(key)
+            self._queue.put(op)
+        return held
+
+    def pin(self, key: BlockKey, pinned: bool) -> bool:
+        block, attrs = self.peek(key), self.attrs(key)
+        if block is None or attrs is None:
+            return False
+        ttl = attrs[1]
+        # Rewritten through the writer, so the pin survives a restart like everything else on disk.
+        self.put(block, pinned=pinned, ttl=ttl)
+        return True
+
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
+    def entry(self, key: BlockKey) -> EntryInfo | None:
+        with self._lock:
+            header = self._index.get(key)
+            times = self.policy.info(key)
+        if header is None or times is None:
+            return None
+        return EntryInfo(
+            key=key,
+            tier=self.name,
+            tokens=len(header.tokens),
+            nbytes=header.nbytes,
+            tenant=header.tenant,
+            parent=header.parent,
+            created=header.created,
+            last_access=times.last_access,
+            expires_at=times.expires_at,
+            hits=times.hits,
+            pinned=header.pinned,
+        )
+
+    def clear(self) -> int:
+        with self._lock:
+            count = len(self._index)
+            for key in self._index:
+                self.policy.remove(key)
+            self._index.clear()
+            self._pending.clear()
+            self._clears_pending += 1
+            self._queue.put(_Clear())
+        return count
+
+    def flush(self) -> None:
+        """Wait until every write so far is on disk."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+            self._env.close()
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def _begin(self, *, write: bool = False) -> lmdb.Transaction:
+        try:
+            return self._env.begin(write=write, buffers=True)
+        except lmdb.MapResizedError:
+            # Another process grew the map; adopt its size (0 means "what is on disk now") and go on.
+            self._env.set_mapsize(0)
+            return self._env.begin(write=write, buffers=True)
+
+    def _load_index(self) -> None:
+        found: list[tuple[BlockKey, BlockHeader]] = []
+        broken: list[bytes] = []
+        with self._begin() as txn:
+            for raw_key, value in txn.cursor():
+                key_bytes = bytes(raw_key)
+                if len(key_bytes) != 16:
+                    continue  # not a block of ours
+                try:
+                    header, _ = read_header(value)
+                except CorruptBlockError:
+                    broken.append(key_bytes)
+                    continue
+                # Blocks of another layout belong to another model sharing this folder: theirs to manage.
+                if self._fits(header):
+                    found.append((BlockKey(key_bytes), header))
+        # Oldest first, so the policy's order starts as the order of creation.
+        for key, header in sorted(found, key=lambda item: item[1].created):
+            self._register(key, header)
+        for key_bytes in broken:
+            self.counters.add("corrupt")
+            self._queue.put(_Delete(BlockKey(key_bytes)))
+        if broken:
+            log.warning("dropped %d unreadable blocks from %s", len(broken), self.path)
+
+    def _adopt(self, key: BlockKey) -> BlockHeader | None:
+        """Register a block another process wrote, so this one serves and evicts it too."""
+        with self._lock:
+            if key in self._pending or self._clears_pending:
+                return None  # this process is deleting what is on disk
+        with self._begin() as txn:
+            value = txn.get(key.digest)
+            if value is None:
+                return None
+            try:
+                header, _ = read_header(value)
+            except CorruptBlockError as error:
+                self._drop_corrupt(key, str(error))
+                return None
+        if not self._fits(header):
+            return None
+        with self._lock:
+            if key not in self._index:
+                self._register(key, header)
+        return header
+
+    def _register(self, key: BlockKey, header: BlockHeader) -> None:
+        self._index[key] = header
+        self.policy.insert(key, ttl=self._ttl_left(header.created, header.ttl), pinned=header.pinned)
+
+    def _forget(self, key: BlockKey) -> None:
+        with self._lock:
+            if key in self._index and key not in self._pending:
+                del self._index[key]
+                self.policy.remove(key)
+
+    def _drop_corrupt(self, key: BlockKey, why: str) -> None:
+        log.warning("dropping corrupt block %s from %s: %s", key.hex(), self.name, why)
+        self.counters.add("corrupt")
+        self.remove(key)
+
+    def _fits(self, header: BlockHeader) -> bool:
+        return header.shape == self.layout.shape and header.dtype == self.layout.dtype_name
+
+    def _header_of(self, op: _Put) -> BlockHeader:
+        block = op.block
+        return BlockHeader(
+            dtype=self.layout.dtype_name,
+            shape=self.layout.shape,
+            tokens=block.tokens,
+            checksum=0,  # computed when the writer encodes it
+            parent=block.parent,
+            tenant=block.tenant,
+            created=block.created,
+            pinned=op.pinned,
+            ttl=op.ttl,
+            nbytes=self.layout.nbytes,
+        )
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            ops = [op for op in batch if op is not None]
+            landed: list[_Put | _Delete | _Clear] = []
+            try:
+                landed = self._write(ops)
+            except Exception:  # the writer must outlive any one bad batch, or every later write is lost
+                log.exception("writing %d operations to %s failed", len(ops), self.path)
+            finally:
+                self._settle(ops, landed)
+                for _ in batch:
+                    self._queue.task_done()
+            if len(ops) < len(batch):
+                return
+
+    def _write(self, batch: list[_Put | _Delete | _Clear]) -> list[_Put | _Delete | _Clear]:
+        """Commit the batch in one transaction; when it cannot fit, commit what fits one by one."""
+        try:
+            self._commit(batch)
+            return batch
+        except StoreError:
+            if len(batch) == 1:
+                raise
+        landed = []
+        for op in batch:
+            try:
+                self._commit([op])
+                landed.append(op)
+            except StoreError as error:
+                log.warning("%s", error)
+        return landed
+
+    def _commit(self, batch: list[_Put | _Delete | _Clear]) -> None:
+        values = {id(op): encode(op.block, pinned=op.pinned, ttl=op.ttl) for op in batch if isinstance(op, _Put)}
+        while True:
+            try:
+                with self._begin(write=True) as txn:
+                    for op in batch:
+                        if isinstance(op, _Put):
+                            txn.put(op.block.key.digest, values[id(op)])
+                        elif isinstance(op, _Delete):
+                            txn.delete(op.key.digest)
+                        else:
+                            txn.drop(self._env.open_db(txn=txn), delete=False)
+                return
+            except lmdb.MapFullError as error:
+                if not self._grow_map() and not self._evict_one(batch):
+                    raise StoreError(
+                        f"{self.path} is full of pinned blocks; a block was not written. "
+                        "Unpin some blocks or raise the disk budget"
+                    ) from error
+
+    def _settle(self, batch: list[_Put | _Delete | _Clear], landed: list[_Put | _Delete | _Clear]) -> None:
+        """Retire the pending marks of a batch; blocks that never reached the disk are forgotten."""
+        landed_ids = {id(op) for op in landed}
+        with self._lock:
+            for op in batch:
+                if isinstance(op, _Clear):
+                    self._clears_pending -= 1
+                    continue
+                key = op.block.key if isinstance(op, _Put) else op.key
+                if self._pending.get(key) is op:
+                    del self._pending[key]
+                    if isinstance(op, _Put) and id(op) not in landed_ids:
+                        self._index.pop(key, None)
+                        self.policy.remove(key)
+
+    def _grow_map(self) -> bool:
+        size = self._env.info()["map_size"]
+        if size >= self._max_map_bytes:
+            return False
+        new_size = min(size * 2, self._max_map_bytes)
+        log.info("growing %s map from %d to %d bytes", self.path, size, new_size)
+        self._env.set_mapsize(new_size)
+        return True
+
+    def _evict_one(self, batch: list[_Put | _Delete | _Clear]) -> bool:
+        """Make room in a map at its ceiling: delete the policy's victim in the same transaction."""
+        with self._lock:
+            victim = self.victim()
+            if victim is None:
+                return False
+            del self._index[victim]
+            delete = self._pending[victim] = _Delete(victim)
+            self.policy.remove(victim)
+        self.counters.add("evictions")
+        batch[:] = [
+            delete,
+            *(op for op in batch if not (isinstance(op, _Put) and op.block.key == victim)),
+        ]
+        return True

@@ -1,0 +1,138 @@
+"""The device and host tiers: a preallocated pool of block slots with a free list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixgate.policies import Policy
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.keys import BlockKey
+from prefixgate.store.tier import EntryInfo, Tier
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    block: Block  # its kv is a view into the pool
+    pinned: bool
+    ttl: float | None
+
+
+class MemoryTier(Tier):
+    """Blocks in one preallocated tensor on a device: no allocation per block, no fragmentation.
+
+    The device tier lives on the model's device; the host tier on CPU memory, pinned when CUDA is present so
+    copies to the GPU run asynchronously.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layout: BlockLayout,
+        capacity_bytes: int,
+        policy: Policy,
+        *,
+        clock: Callable[[], float],
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__(name, layout, capacity_bytes, policy, clock)
+        self.device = torch.device(device)
+        slots = self.capacity_blocks
+        # pool: [slots, layers, 2, kv_heads, block_size, head_dim]
+        self._pool = torch.empty(
+            (slots, *layout.shape),
+            dtype=layout.dtype,
+            device=self.device,
+            pin_memory=pin_memory and slots > 0,
+        )
+        # Pop from the end: the lowest slots are used first, which keeps a small working set warm in caches.
+        self._free = list(range(slots - 1, -1, -1))
+        self._slots: dict[BlockKey, _Slot] = {}
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._slots
+
+    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        if slot.block.tokens != tuple(tokens):
+            # Same chained hash, other tokens: a collision or a forged key. Never serve it.
+            self.remove(key)
+            self.counters.add("corrupt")
+            return None
+        self.policy.touch(key)
+        block = slot.block
+        return Block(block.key, block.tokens, block.kv.clone(), block.parent, block.tenant, block.created)
+
+    def peek(self, key: BlockKey) -> Block | None:
+        slot = self._slots.get(key)
+        return None if slot is None else slot.block
+
+    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
+        slot = self._slots.get(key)
+        return None if slot is None else (slot.pinned, slot.ttl)
+
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
+        self.layout.check(block)
+        slot = self._slots.get(block.key)
+        if slot is None:
+            assert self._free, f"{self.name} tier is full: the store must make room first"
+            index = self._free.pop()
+        else:
+            index = slot.index
+        view = self._pool[index]  # kv: [layers, 2, kv_heads, block_size, head_dim]
+        # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
+        view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
+        stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
+        self._slots[block.key] = _Slot(index, stored, pinned, ttl)
+        self.policy.insert(block.key, ttl=self._ttl_left(block.created, ttl), pinned=pinned)
+
+    def remove(self, key: BlockKey) -> bool:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        self._free.append(slot.index)
+        self.policy.remove(key)
+        return True
+
+    def pin(self, key: BlockKey, pinned: bool) -> bool:
+        slot = self._slots.get(key)
+        if slot is None:
+            return False
+        slot.pinned = pinned
+        if pinned:
+            self.policy.pin(key)
+        else:
+            self.policy.unpin(key)
+        return True
+
+    def keys(self) -> list[BlockKey]:
+        return list(self._slots)
+
+    def entry(self, key: BlockKey) -> EntryInfo | None:
+        slot = self._slots.get(key)
+        times = self.policy.info(key)
+        if slot is None or times is None:
+            return None
+        block = slot.block
+        return EntryInfo(
+            key=key,
+            tier=self.name,
+            tokens=len(block.tokens),
+            nbytes=self.layout.nbytes,
+            tenant=block.tenant,
+            parent=block.parent,
+            created=block.created,
+            last_access=times.last_access,
+            expires_at=times.expires_at,
+            hits=times.hits,
+            pinned=slot.pinned,
+        )

@@ -1,0 +1,193 @@
+"""The tier interface every storage level implements, and what tiers report about themselves."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import cast
+
+from prefixgate.policies import Policy
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.keys import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """One cached block as inspection shows it."""
+
+    key: BlockKey
+    tier: str
+    tokens: int
+    nbytes: int
+    tenant: str
+    parent: BlockKey | None
+    created: float  # wall-clock seconds
+    last_access: float | None  # the policy clock's seconds
+    expires_at: float | None  # the policy clock's seconds
+    hits: int
+    pinned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier's occupancy and counters."""
+
+    name: str
+    entries: int
+    bytes: int
+    capacity: int
+    hits: int
+    misses: int
+    evictions: int
+    expirations: int
+    promotions: int
+    demotions: int
+    corrupt: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Running counts of what happened in one tier; the store and the tier both add to them."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    corrupt: int = 0
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Add `amount` to the counter `name`, atomically with other adds."""
+        with _COUNTER_LOCK:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def as_dict(self) -> dict[str, int]:
+        """Return every counter by name."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+_COUNTER_LOCK = threading.Lock()
+
+
+class Tier(ABC):
+    """One storage level: holds whole blocks of one layout within a byte budget it never exceeds.
+
+    A tier acts; its policy decides. The tiered store asks the policy for victims and moves blocks between
+    tiers, so no tier knows the others.
+    """
+
+    persistent: bool = False  # keeps blocks across restarts, and is written through on every insert
+
+    def __init__(
+        self, name: str, layout: BlockLayout, capacity_bytes: int, policy: Policy, clock: Callable[[], float]
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.capacity_bytes = max(0, capacity_bytes)
+        self.policy = policy
+        self.clock = clock  # the policy's clock, in the time base of `Block.created`
+        self.counters = TierCounters()
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Return how many blocks fit the budget."""
+        return self.capacity_bytes // self.layout.nbytes
+
+    def can_hold(self, count: int) -> bool:
+        """Return whether `count` blocks fit this tier's budget at all (when empty)."""
+        return 0 < count <= self.capacity_blocks
+
+    def has_room(self) -> bool:
+        """Return whether one more block fits without evicting."""
+        return len(self) < self.capacity_blocks
+
+    def touch(self, key: BlockKey) -> None:
+        """Tell the policy the block was used."""
+        self.policy.touch(key)
+
+    def victim(self) -> BlockKey | None:
+        """Return the block the policy would evict next, if any may be."""
+        return cast(BlockKey | None, self.policy.victim())
+
+    def expired(self) -> list[BlockKey]:
+        """Return the blocks whose time is up."""
+        return cast(list[BlockKey], self.policy.expired())
+
+    def stats(self) -> TierStats:
+        """Return a snapshot of occupancy and counters."""
+        return TierStats(
+            name=self.name,
+            entries=len(self),
+            bytes=len(self) * self.layout.nbytes,
+            capacity=self.capacity_bytes,
+            **self.counters.as_dict(),
+        )
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Return the number of blocks held."""
+
+    @abstractmethod
+    def contains(self, key: BlockKey) -> bool:
+        """Return whether the block is held (without verifying it)."""
+
+    @abstractmethod
+    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+        """Return a standalone copy of the block if held and verified against `tokens`, else None.
+
+        A held block that fails verification is removed and counted as corrupt.
+        """
+
+    @abstractmethod
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
+        """Hold `block`, replacing any block of the same key; the caller has made room.
+
+        `ttl` is the block's own lifetime in seconds from `block.created`, overriding the policy's default.
+        """
+
+    @abstractmethod
+    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
+        """Return whether the block is pinned and its own ttl, or None when it is not held."""
+
+    @abstractmethod
+    def remove(self, key: BlockKey) -> bool:
+        """Drop the block; return whether it was held."""
+
+    @abstractmethod
+    def pin(self, key: BlockKey, pinned: bool) -> bool:
+        """Set whether the block is pinned (never evicted, still expires); return whether it is held."""
+
+    @abstractmethod
+    def entry(self, key: BlockKey) -> EntryInfo | None:
+        """Return what is known about one held block."""
+
+    @abstractmethod
+    def keys(self) -> list[BlockKey]:
+        """Return the keys of every held block."""
+
+    @abstractmethod
+    def peek(self, key: BlockKey) -> Block | None:
+        """Return the block unverified; its tensor may be a view, valid only until the tier next changes."""
+
+    def entries(self) -> list[EntryInfo]:
+        """Return every held block's entry."""
+        return [info for key in self.keys() if (info := self.entry(key)) is not None]
+
+    def clear(self) -> int:
+        """Drop every block; return how many were dropped."""
+        keys = self.keys()
+        for key in keys:
+            self.remove(key)
+        return len(keys)
+
+    def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
+        """Release what the tier holds open."""
+
+    def _ttl_left(self, created: float, ttl: float | None) -> float | None:
+        """Return what is left of a block's own lifetime, so moving between tiers never extends it."""
+        if ttl is None:
+            return None
+        return max(created + ttl - self.clock(), 1e-9)

@@ -1,0 +1,404 @@
+"""The tiered store: finds the longest cached prefix and moves blocks between tiers (the one place that does)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from prefixgate.errors import StoreError
+from prefixgate.policies import Policy, make_policy
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret
+from prefixgate.store.lmdb_tier import LMDBTier
+from prefixgate.store.memory_tier import MemoryTier
+from prefixgate.store.tier import EntryInfo, Tier, TierStats
+
+DISK_FOLDER = "blocks.lmdb"
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One tier's byte budget and policy; a zero budget turns the tier off."""
+
+    capacity_bytes: int
+    policy: str = "lru"
+    ttl: float | None = None  # seconds from insert
+    idle_ttl: float | None = None  # seconds from last access
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The budgets and policies of the three tiers."""
+
+    device: TierConfig
+    host: TierConfig
+    disk: TierConfig
+
+    @classmethod
+    def defaults(cls, device: torch.device) -> StoreConfig:
+        """Return budgets that suit `device`; on a CPU the host tier is the top and the device tier is off."""
+        # Without a GPU both memory tiers would be CPU memory, and holding each block twice buys nothing.
+        device_bytes = 4 << 30 if device.type == "cuda" else 0
+        return cls(device=TierConfig(device_bytes), host=TierConfig(8 << 30), disk=TierConfig(64 << 30))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Where the cached prefix of a prompt lies: the tier of each leading block present, without loading any."""
+
+    keys: tuple[BlockKey, ...]  # every block key the prompt may reuse (all but its last token)
+    tiers: tuple[str, ...]  # the tier holding each leading block, as long as the run lasts
+    block_size: int
+
+    @property
+    def cached_tokens(self) -> int:
+        """Return how many prompt tokens the prefix covers."""
+        return len(self.tiers) * self.block_size
+
+    @property
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Return cached tokens per tier name."""
+        counts: dict[str, int] = defaultdict(int)
+        for name in self.tiers:
+            counts[name] += self.block_size
+        return dict(counts)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit(PrefixMatch):
+    """A prefix match with its blocks loaded and verified, each from the tier named beside it."""
+
+    blocks: tuple[Block, ...] = field(default=(), repr=False)
+
+
+class TieredStore:
+    """Blocks in tiers, top to bottom: device, host, disk. Thread-safe; never call it on an event loop.
+
+    Movement: inserts go to the top tier that can hold the whole set and are written through to the
+    persistent tier; eviction from a tier demotes to the next one down; a hit below the top is promoted to the
+    top. Memory tiers hold a block at most once between them; the persistent tier holds everything.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        secret: bytes,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tiers:
+            raise RuntimeError("a store needs at least one tier")
+        layouts = {tier.layout for tier in tiers}
+        if len(layouts) != 1:
+            raise RuntimeError(f"all tiers must share one block layout, got {layouts}")
+        self.layout = tiers[0].layout
+        self.tiers = tuple(tiers)
+        self._secret = secret
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._seeds: dict[Namespace, bytes] = {}
+        persistent = [tier for tier in tiers if tier.persistent]
+        assert len(persistent) <= 1 and (not persistent or persistent[0] is tiers[-1]), "disk goes last"
+        self._disk = persistent[0] if persistent else None
+
+    @classmethod
+    def open(
+        cls,
+        folder: Path | None,
+        layout: BlockLayout,
+        config: StoreConfig,
+        *,
+        device: torch.device | str = "cpu",
+        clock: Callable[[], float] = time.time,
+    ) -> TieredStore:
+        """Open (or create) the store in `folder`; with no folder there is no disk tier and nothing persists."""
+        device = torch.device(device)
+        tiers: list[Tier] = []
+        pin = torch.cuda.is_available()
+        for name, tier_config, tier_device in (
+            ("device", config.device, device),
+            ("host", config.host, "cpu"),
+        ):
+            if tier_config.capacity_bytes > 0:
+                policy = _policy(tier_config, clock)
+                tiers.append(
+                    MemoryTier(
+                        name,
+                        layout,
+                        tier_config.capacity_bytes,
+                        policy,
+                        clock=clock,
+                        device=tier_device,
+                        pin_memory=pin,
+                    )
+                )
+        if folder is not None and config.disk.capacity_bytes > 0:
+            secret = load_or_create_secret(folder)
+            disk_policy = _policy(config.disk, clock)
+            tiers.append(LMDBTier(folder / DISK_FOLDER, layout, config.disk.capacity_bytes, disk_policy, clock=clock))
+        else:
+            secret = os.urandom(32)  # nothing outlives the process, so neither does the secret
+        if not tiers:
+            raise StoreError("every tier has a zero budget; give at least one tier some bytes")
+        return cls(tiers, secret=secret, clock=clock)
+
+    # -- keys and lookups ---------------------------------------------------------------------------------------
+
+    def seed(self, namespace: Namespace) -> bytes:
+        """Return the chain seed of `namespace` in this deployment."""
+        self._check_namespace(namespace)
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = self._seeds[namespace] = namespace.seed(self._secret)
+        return seed
+
+    def reusable_keys(self, namespace: Namespace, tokens: Sequence[int]) -> tuple[BlockKey, ...]:
+        """Return the keys of the full blocks a prompt may reuse: never its last token, which starts generation."""
+        limit = (len(tokens) - 1) // self.layout.block_size if tokens else 0
+        return tuple(chain_keys(self.seed(namespace), tokens, self.layout.block_size, limit=limit))
+
+    def lookup(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch:
+        """Return where the prompt's cached prefix lies, loading and moving nothing."""
+        keys = self.reusable_keys(namespace, tokens)
+        tiers: list[str] = []
+        for key in keys:
+            tier = self._locate(key)
+            if tier is None:
+                break
+            tiers.append(tier.name)
+        return PrefixMatch(keys, tuple(tiers), self.layout.block_size)
+
+    def fetch(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixHit:
+        """Load and verify the prompt's cached prefix, promoting blocks found below the top tier."""
+        self.expire()
+        size = self.layout.block_size
+        keys = self.reusable_keys(namespace, tokens)
+        blocks: list[Block] = []
+        tiers: list[str] = []
+        for index, key in enumerate(keys):
+            found = self._get(key, tokens[index * size : (index + 1) * size])
+            if found is None:
+                break
+            blocks.append(found[0])
+            tiers.append(found[1].name)
+        return PrefixHit(keys, tuple(tiers), size, tuple(blocks))
+
+    # -- inserts ------------------------------------------------------------------------------------------------
+
+    def put(self, blocks: Sequence[Block], *, pinned: bool = False, ttl: float | None = None) -> int:
+        """Insert blocks (standalone tensors the store may keep); return how many were new to the store.
+
+        `pinned` blocks are never evicted until unpinned or expired; `ttl` (seconds from the block's creation)
+        overrides the tiers' own. A block with no creation time is stamped with the store's clock.
+        """
+        for block in blocks:
+            self.layout.check(block)
+        self.expire()
+        now = self._clock()
+        changes_attrs = pinned or ttl is not None
+        added = 0
+        with self._lock:
+            memory = [level for level, tier in enumerate(self.tiers) if not tier.persistent]
+            # A set too big for a tier skips it, rather than flushing everything there to make room for itself.
+            top = next((level for level in memory if self.tiers[level].can_hold(len(blocks))), None)
+            for block in blocks:
+                if not block.created:
+                    block = replace(block, created=now)
+                where = self._locate(block.key)
+                if where is not None and not where.persistent and not changes_attrs:
+                    where.touch(block.key)  # already in memory: just a use
+                    continue
+                added += where is None
+                if top is not None:
+                    self._remove_from_memory(block.key)
+                    self._insert(top, block, pinned, ttl)
+                if self._disk is not None and (where is None or changes_attrs):
+                    self._insert(len(self.tiers) - 1, block, pinned, ttl)
+        return added
+
+    def pin(self, key: BlockKey, pinned: bool = True) -> bool:
+        """Pin (or unpin) a block in every tier holding it; return whether any does."""
+        with self._lock:
+            return any([tier.pin(key, pinned) for tier in self.tiers])
+
+    # -- inspection and removal ---------------------------------------------------------------------------------
+
+    def stats(self) -> list[TierStats]:
+        """Return each tier's occupancy and counters, top tier first."""
+        with self._lock:
+            return [tier.stats() for tier in self.tiers]
+
+    def entries(self, *, tier: str | None = None, tenant: str | None = None) -> list[EntryInfo]:
+        """Return every cached block, optionally only those in one tier or of one tenant."""
+        tiers = self._tiers_named(tier)
+        with self._lock:
+            found = [entry for t in tiers for entry in t.entries()]
+        return [entry for entry in found if tenant is None or entry.tenant == tenant]
+
+    def entry(self, key: BlockKey) -> list[EntryInfo]:
+        """Return the entries of one key, one per tier holding it."""
+        with self._lock:
+            return [info for tier in self.tiers if (info := tier.entry(key)) is not None]
+
+    def read(self, key: BlockKey) -> Block | None:
+        """Return a copy of one block from the highest tier holding it, without moving or counting it."""
+        with self._lock:
+            for tier in self.tiers:
+                block = tier.peek(key)
+                if block is not None:
+                    return replace(block, kv=block.kv.clone())
+        return None
+
+    def delete(self, key: BlockKey, *, extensions: bool = False) -> int:
+        """Remove a block from every tier (and, with `extensions`, every block that extends it); return the count."""
+        with self._lock:
+            doomed = {key}
+            if extensions:
+                children: dict[BlockKey, set[BlockKey]] = defaultdict(set)
+                for entry in self.entries():
+                    if entry.parent is not None:
+                        children[entry.parent].add(entry.key)
+                frontier = [key]
+                while frontier:
+                    for child in children.pop(frontier.pop(), ()):
+                        doomed.add(child)
+                        frontier.append(child)
+            return sum(tier.remove(k) for k in doomed for tier in self.tiers)
+
+    def flush(self, tier: str | None = None) -> int:
+        """Drop every block of one tier, or of all tiers; return how many entries were dropped."""
+        with self._lock:
+            return sum(t.clear() for t in self._tiers_named(tier))
+
+    def expire(self) -> int:
+        """Drop every block whose time is up, tier by tier; return how many were dropped."""
+        dropped = 0
+        with self._lock:
+            for tier in self.tiers:
+                for key in tier.expired():
+                    tier.remove(key)
+                    tier.counters.add("expirations")
+                    dropped += 1
+        return dropped
+
+    def wait_for_disk(self) -> None:
+        """Block until every block written through so far is on disk."""
+        if isinstance(self._disk, LMDBTier):
+            self._disk.flush()
+
+    def close(self) -> None:
+        """Finish pending disk writes and release every tier."""
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- movement -----------------------------------------------------------------------------------------------
+
+    def _locate(self, key: BlockKey) -> Tier | None:
+        with self._lock:
+            for tier in self.tiers:
+                if not tier.persistent and tier.contains(key):
+                    return tier
+        if self._disk is not None and self._disk.contains(key):
+            return self._disk
+        return None
+
+    def _get(self, key: BlockKey, tokens: Sequence[int]) -> tuple[Block, Tier] | None:
+        """Return a verified copy of the block and the tier it came from, counting hits and misses."""
+        missed: list[Tier] = []
+        for level, tier in enumerate(self.tiers):
+            if tier.persistent:
+                block = tier.get(key, tokens)  # a disk read: outside the lock
+            else:
+                with self._lock:
+                    block = tier.get(key, tokens)
+            if block is None:
+                missed.append(tier)
+                continue
+            tier.counters.add("hits")
+            for above in missed:
+                above.counters.add("misses")
+            if level > 0:
+                self._promote(level, block)
+            return block, tier
+        for tier in missed:
+            tier.counters.add("misses")
+        return None
+
+    def _promote(self, level: int, block: Block) -> None:
+        with self._lock:
+            source = self.tiers[level]
+            attrs = source.attrs(block.key)
+            if attrs is None or not self.tiers[0].can_hold(1):
+                return
+            if not source.persistent:
+                source.remove(block.key)
+            if self._insert(0, block, *attrs):
+                source.counters.add("promotions")
+
+    def _insert(self, level: int, block: Block, pinned: bool, ttl: float | None) -> bool:
+        """Put a block in one tier, demoting its victims; return False when the tier cannot take it."""
+        tier = self.tiers[level]
+        if not tier.can_hold(1):
+            return False
+        if not tier.contains(block.key):
+            while not tier.has_room():
+                victim = tier.victim()
+                if victim is None:
+                    return False  # everything here is pinned
+                self._demote(level, victim)
+        tier.put(block, pinned=pinned, ttl=ttl)
+        return True
+
+    def _demote(self, level: int, key: BlockKey) -> None:
+        tier = self.tiers[level]
+        block, attrs = tier.peek(key), tier.attrs(key)
+        below = self.tiers[level + 1] if level + 1 < len(self.tiers) else None
+        moved = False
+        if block is not None and attrs is not None and below is not None:
+            if below.persistent and below.contains(key):
+                moved = True  # written through already
+            else:
+                # The tensor is a view into this tier's pool, and the disk writer encodes it later: copy it.
+                kv = block.kv.clone() if below.persistent else block.kv
+                moved = self._insert(level + 1, replace(block, kv=kv), *attrs)
+        tier.remove(key)
+        tier.counters.add("demotions" if moved else "evictions")
+
+    def _remove_from_memory(self, key: BlockKey) -> None:
+        for tier in self.tiers:
+            if not tier.persistent:
+                tier.remove(key)
+
+    def _tiers_named(self, name: str | None) -> tuple[Tier, ...]:
+        if name is None:
+            return self.tiers
+        chosen = tuple(tier for tier in self.tiers if tier.name == name)
+        if not chosen:
+            names = ", ".join(tier.name for tier in self.tiers)
+            raise StoreError(f"no tier named {name!r}; this store has: {names}")
+        return chosen
+
+    def _check_namespace(self, namespace: Namespace) -> None:
+        if namespace.block_shape != self.layout.shape or namespace.dtype != self.layout.dtype_name:
+            raise RuntimeError(
+                f"namespace is for {namespace.block_shape} {namespace.dtype} blocks, "
+                f"but this store holds {self.layout.shape} {self.layout.dtype_name}"
+            )
+
+
+def _policy(config: TierConfig, clock: Callable[[], float]) -> Policy:
+    return make_policy(config.policy, clock=clock, ttl=config.ttl, idle_ttl=config.idle_ttl)

@@ -1,0 +1,152 @@
+"""The contract every tier passes: the memory pool tier (device and host) and the LMDB tier alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixgate.errors import BlockMismatchError
+from prefixgate.policies import make_policy
+from prefixgate.store import Block, BlockKey, Tier, chain_keys
+from prefixgate.store.lmdb_tier import LMDBTier
+from prefixgate.store.memory_tier import MemoryTier
+from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
+
+TierFactory = Callable[[int], Tier]
+
+
+def make_tier_blocks(count: int, start: int = 0) -> list[Block]:
+    """Return `count` chained blocks of distinct tokens."""
+    tokens = list(range(start, start + count * LAYOUT.block_size))
+    keys = chain_keys(make_namespace().seed(bytes(32)), tokens, LAYOUT.block_size)
+    return [
+        Block(key, tuple(tokens[i * 4 : i * 4 + 4]), make_kv(start + i), parent=keys[i - 1] if i else None, created=5.0)
+        for i, key in enumerate(keys)
+    ]
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory]:
+    made: list[Tier] = []
+
+    def factory(capacity_blocks: int) -> Tier:
+        clock = FakeClock()
+        policy = make_policy("lru", clock=clock)
+        tier: Tier
+        if request.param == "memory":
+            tier = MemoryTier("host", LAYOUT, capacity_blocks * BLOCK, policy, clock=clock)
+        else:
+            tier = LMDBTier(tmp_path / f"disk{len(made)}", LAYOUT, capacity_blocks * BLOCK, policy, clock=clock)
+        made.append(tier)
+        return tier
+
+    yield factory
+    for tier in made:
+        tier.close()
+
+
+def test_get_returns_an_equal_standalone_copy(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    block = make_tier_blocks(1)[0]
+    tier.put(block)
+    got = tier.get(block.key, block.tokens)
+    assert got is not None
+    assert torch.equal(got.kv, block.kv)
+    assert (got.tokens, got.parent, got.created) == (block.tokens, block.parent, block.created)
+    got.kv.zero_()
+    again = tier.get(block.key, block.tokens)
+    assert again is not None and torch.equal(again.kv, block.kv)
+
+
+def test_a_block_whose_tokens_do_not_match_is_a_miss_removed_and_counted(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    block = make_tier_blocks(1)[0]
+    tier.put(block)
+    assert tier.get(block.key, (9, 9, 9, 9)) is None
+    assert not tier.contains(block.key)
+    assert tier.counters.corrupt == 1
+
+
+def test_unknown_key_is_a_miss(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    missing = BlockKey(b"\x07" * 16)
+    assert not tier.contains(missing)
+    assert tier.get(missing, (0, 1, 2, 3)) is None
+    assert tier.entry(missing) is None
+    assert not tier.remove(missing)
+
+
+def test_remove_and_clear_drop_blocks(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    blocks = make_tier_blocks(3)
+    for block in blocks:
+        tier.put(block)
+    assert tier.remove(blocks[0].key)
+    assert not tier.contains(blocks[0].key)
+    assert len(tier) == 2
+    assert tier.clear() == 2
+    assert len(tier) == 0 and tier.keys() == []
+
+
+def test_put_of_a_held_key_replaces_it_in_place(make_tier: TierFactory) -> None:
+    tier = make_tier(2)
+    block = make_tier_blocks(1)[0]
+    tier.put(block)
+    tier.put(Block(block.key, block.tokens, torch.ones(LAYOUT.shape), created=5.0))
+    assert len(tier) == 1
+    got = tier.get(block.key, block.tokens)
+    assert got is not None and bool((got.kv == 1).all())
+
+
+def test_capacity_counts_whole_blocks_and_room_runs_out(make_tier: TierFactory) -> None:
+    tier = make_tier(2)
+    assert tier.capacity_blocks == 2 and tier.can_hold(2) and not tier.can_hold(3)
+    for block in make_tier_blocks(2):
+        assert tier.has_room()
+        tier.put(block)
+    assert not tier.has_room()
+    stats = tier.stats()
+    assert (stats.entries, stats.bytes, stats.capacity) == (2, 2 * BLOCK, 2 * BLOCK)
+
+
+def test_zero_budget_holds_nothing(make_tier: TierFactory) -> None:
+    tier = make_tier(0)
+    assert tier.capacity_blocks == 0 and not tier.can_hold(1) and not tier.has_room()
+
+
+def test_a_block_of_another_shape_or_dtype_is_refused(make_tier: TierFactory) -> None:
+    tier = make_tier(2)
+    block = make_tier_blocks(1)[0]
+    with pytest.raises(BlockMismatchError, match="this store holds"):
+        tier.put(Block(block.key, block.tokens, block.kv.to(torch.float16)))
+    with pytest.raises(BlockMismatchError, match="covers 3 tokens"):
+        tier.put(Block(block.key, block.tokens[:3], block.kv))
+
+
+def test_entries_describe_blocks_and_pins(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    first, second = make_tier_blocks(2)
+    tier.put(first, pinned=True, ttl=60.0)
+    tier.put(second)
+    tier.get(second.key, second.tokens)
+    entries = {entry.key: entry for entry in tier.entries()}
+    assert entries[first.key].pinned and not entries[second.key].pinned
+    assert entries[second.key].parent == first.key
+    assert entries[second.key].hits == 1
+    assert entries[first.key].tokens == LAYOUT.block_size
+    assert tier.attrs(first.key) == (True, 60.0)
+    assert tier.pin(first.key, False)
+    assert tier.attrs(first.key) == (False, 60.0)
+    assert not tier.pin(BlockKey(b"\x01" * 16), True)
+
+
+def test_the_policy_names_the_least_recently_used_victim(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    blocks = make_tier_blocks(3)
+    for block in blocks:
+        tier.put(block)
+    tier.get(blocks[0].key, blocks[0].tokens)
+    assert tier.victim() == blocks[1].key

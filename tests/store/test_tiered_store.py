@@ -1,0 +1,280 @@
+"""The tiered store: longest prefix, movement between tiers, persistence, inspection and removal."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixgate.errors import StoreError
+from prefixgate.store import TieredStore
+from prefixgate.store.tiered_store import StoreConfig, TierConfig
+from tests.store.conftest import (
+    BLOCK,
+    LAYOUT,
+    FakeClock,
+    StoreFactory,
+    config,
+    make_blocks,
+    make_kv,
+    make_namespace,
+)
+
+NS = make_namespace()
+PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks of 4
+
+
+def tiers_of(store: TieredStore, tokens: list[int] = PROMPT) -> tuple[str, ...]:
+    return store.lookup(NS, tokens).tiers
+
+
+def test_longest_prefix_is_the_run_of_leading_blocks_present(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT[:12]))  # blocks 0..2
+    query = PROMPT[:12] + [7, 7, 7, 7, 7]
+    hit = store.fetch(NS, query)
+    assert hit.cached_tokens == 12
+    assert [block.tokens for block in hit.blocks] == [tuple(PROMPT[i : i + 4]) for i in (0, 4, 8)]
+    assert all(torch.equal(b.kv, make_kv(int.from_bytes(b.key.digest[:4], "little"))) for b in hit.blocks)
+
+
+def test_a_gap_ends_the_prefix_even_when_later_blocks_are_cached(open_store: StoreFactory) -> None:
+    store = open_store()
+    blocks = make_blocks(store, PROMPT)
+    store.put([blocks[0], blocks[2], blocks[3]])
+    assert store.fetch(NS, PROMPT).cached_tokens == 4
+
+
+def test_a_whole_prompt_hit_leaves_its_last_token_to_compute(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    assert store.lookup(NS, PROMPT).cached_tokens == 20  # 24 tokens: the 6th block holds the last token
+    assert store.lookup(NS, PROMPT + [1]).cached_tokens == 24
+    assert store.lookup(NS, []).cached_tokens == 0
+
+
+def test_inserts_go_to_the_top_tier_and_through_to_disk(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    store.wait_for_disk()
+    host, disk = store.stats()
+    assert (host.name, host.entries, disk.name, disk.entries) == ("host", 6, "disk", 6)
+    assert set(store.lookup(NS, PROMPT + [0]).tiers) == {"host"}
+
+
+def test_eviction_demotes_to_the_next_tier_in_lru_order(open_store: StoreFactory) -> None:
+    store = open_store(config(device=2 * BLOCK, host=2 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    for block in blocks[:5]:
+        store.put([block])
+    # device holds the two newest; host the two before; the first fell to disk only.
+    assert tiers_of(store) == ("disk", "host", "host", "device", "device")
+    device, host, disk = store.stats()
+    assert (device.demotions, host.demotions, disk.entries) == (3, 1, 5)
+
+
+def test_a_hit_below_the_top_is_promoted_to_the_top(open_store: StoreFactory) -> None:
+    store = open_store(config(device=2 * BLOCK, host=8 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:2])
+    store.put(blocks[2:4])  # pushes blocks 0 and 1 down to the host tier
+    assert tiers_of(store, PROMPT[:9]) == ("host", "host")
+    hit = store.fetch(NS, PROMPT[:9])
+    assert hit.tiers == ("host", "host") and hit.tokens_by_tier == {"host": 8}
+    assert tiers_of(store, PROMPT[:9]) == ("device", "device")
+    device, host, _ = store.stats()
+    assert host.promotions == 2 and host.hits == 2 and device.misses == 2
+    assert host.entries == 2  # blocks 2 and 3, demoted to make room; memory tiers never hold a block twice
+
+
+def test_a_set_too_big_for_a_tier_skips_it(open_store: StoreFactory) -> None:
+    store = open_store(config(host=4 * BLOCK))
+    store.put(make_blocks(store, PROMPT))  # 6 blocks > 4 slots
+    store.wait_for_disk()
+    host, disk = store.stats()
+    assert (host.entries, disk.entries) == (0, 6)
+
+
+def test_a_tier_smaller_than_one_block_is_skipped(open_store: StoreFactory) -> None:
+    store = open_store(config(host=BLOCK // 2))
+    store.put(make_blocks(store, PROMPT))
+    assert store.fetch(NS, PROMPT).tiers == ("disk",) * 5
+    assert store.stats()[0].entries == 0
+
+
+def test_every_budget_zero_is_an_error_that_says_what_to_set(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="give at least one tier some bytes"):
+        TieredStore.open(tmp_path, LAYOUT, config(host=0, disk=0))
+
+
+def test_memory_only_store_works_without_a_folder(open_store: StoreFactory) -> None:
+    store = open_store(folder=None)
+    store.put(make_blocks(store, PROMPT))
+    assert [tier.name for tier in store.tiers] == ["host"]
+    assert store.fetch(NS, PROMPT).cached_tokens == 20
+
+
+def test_cpu_defaults_do_not_hold_blocks_twice() -> None:
+    defaults = StoreConfig.defaults(torch.device("cpu"))
+    assert defaults.device.capacity_bytes == 0 and defaults.host.capacity_bytes > 0
+
+
+def test_reopening_serves_earlier_blocks_under_the_same_namespace_only(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    store.close()
+    reopened = open_store()
+    assert reopened.fetch(NS, PROMPT).tiers == ("disk",) * 5
+    for other in (make_namespace(tenant="someone-else"), make_namespace(model="model-b")):
+        assert reopened.fetch(other, PROMPT).cached_tokens == 0
+
+
+def test_a_value_corrupted_on_disk_is_a_miss_dropped_and_counted(open_store: StoreFactory, tmp_path: Path) -> None:
+    import lmdb
+
+    store = open_store()
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks)
+    store.close()
+    with lmdb.open(str(tmp_path / "blocks.lmdb")) as env, env.begin(write=True) as txn:
+        value = bytearray(txn.get(blocks[2].key.digest))
+        value[-1] ^= 0xFF
+        txn.put(blocks[2].key.digest, bytes(value))
+    reopened = open_store()
+    assert reopened.fetch(NS, PROMPT).cached_tokens == 8
+    disk = reopened.stats()[-1]
+    assert disk.corrupt == 1 and disk.entries == 5
+    assert reopened.lookup(NS, PROMPT).cached_tokens == 8
+
+
+def test_ttl_expires_blocks_on_the_fake_clock(open_store: StoreFactory, clock: FakeClock) -> None:
+    store = open_store(config(ttl=60.0))
+    store.put(make_blocks(store, PROMPT))
+    clock.advance(59)
+    assert store.fetch(NS, PROMPT).cached_tokens == 20
+    clock.advance(2)
+    assert store.fetch(NS, PROMPT).cached_tokens == 0
+    assert [s.expirations for s in store.stats()] == [6, 6]
+
+
+def test_a_per_block_ttl_survives_moves_between_tiers(open_store: StoreFactory, clock: FakeClock) -> None:
+    store = open_store(config(device=2 * BLOCK, host=2 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:1], ttl=30.0)
+    clock.advance(20)
+    store.put(blocks[1:3])  # demotes block 0 to the host tier
+    assert tiers_of(store)[0] == "host"
+    clock.advance(11)
+    assert store.fetch(NS, PROMPT).cached_tokens == 0
+
+
+def test_pinned_blocks_are_never_evicted_until_unpinned(open_store: StoreFactory) -> None:
+    store = open_store(config(host=2 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:2], pinned=True)
+    store.put(blocks[2:4])  # the host tier is all pinned: these go to disk only
+    assert tiers_of(store) == ("host", "host", "disk", "disk")
+    assert all(entry.pinned for entry in store.entries(tier="host"))
+    assert store.pin(blocks[0].key, False)
+    store.put(blocks[4:5])
+    assert tiers_of(store) == ("disk", "host", "disk", "disk", "host")
+
+
+def test_delete_with_extensions_removes_the_block_and_every_block_after_it(open_store: StoreFactory) -> None:
+    store = open_store()
+    blocks = make_blocks(store, PROMPT)
+    branch = make_blocks(store, PROMPT[:8] + [5] * 8)  # shares blocks 0 and 1
+    store.put(blocks)
+    store.put(branch[2:])
+    assert store.delete(blocks[1].key, extensions=True) == 2 * (1 + 4 + 2)  # host and disk copies
+    assert store.lookup(NS, PROMPT + [0]).cached_tokens == 4
+    assert store.delete(blocks[1].key) == 0
+
+
+def test_delete_one_block_keeps_the_rest(open_store: StoreFactory) -> None:
+    store = open_store()
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks)
+    assert store.delete(blocks[5].key) == 2
+    assert store.lookup(NS, PROMPT + [0]).cached_tokens == 20
+
+
+def test_flush_one_tier_or_everything(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    assert store.flush("host") == 6
+    assert set(tiers_of(store)) == {"disk"}
+    assert store.flush() == 6
+    assert store.lookup(NS, PROMPT).cached_tokens == 0
+    with pytest.raises(StoreError, match="this store has: host, disk"):
+        store.flush("gpu")
+
+
+def test_entries_filter_by_tier_and_tenant(open_store: StoreFactory) -> None:
+    store = open_store()
+    acme = make_namespace(tenant="acme")
+    store.put(make_blocks(store, PROMPT[:8]))
+    store.put(make_blocks(store, PROMPT[:8], acme))
+    assert len(store.entries()) == 8
+    assert len(store.entries(tier="host", tenant="acme")) == 2
+    key = store.entries(tenant="acme")[0].key
+    assert {entry.tier for entry in store.entry(key)} == {"host", "disk"}
+    block = store.read(key)
+    assert block is not None and block.tenant == "acme"
+
+
+def test_another_process_sees_blocks_this_one_writes(open_store: StoreFactory, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store = open_store()
+    child = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+from pathlib import Path
+from prefixgate.store import TieredStore
+from tests.store.conftest import LAYOUT, config, make_blocks
+with TieredStore.open(Path({str(tmp_path)!r}), LAYOUT, config()) as store:
+    store.put(make_blocks(store, {PROMPT!r}))
+"""
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+    hit = store.fetch(NS, PROMPT)
+    assert hit.tiers == ("disk",) * 5
+    assert store.lookup(NS, PROMPT).tiers == ("host",) * 5  # promoted on the way
+
+
+async def test_concurrent_tasks_and_threads_see_consistent_blocks(open_store: StoreFactory) -> None:
+    store = open_store(config(device=6 * BLOCK, host=10 * BLOCK))
+    prompts = [[i % 3] * 8 + list(range(100 * i, 100 * i + 16)) for i in range(12)]
+    failures: list[str] = []
+
+    def work(prompt: list[int]) -> None:
+        for _ in range(5):
+            store.put(make_blocks(store, prompt))
+            hit = store.fetch(NS, prompt + [0])
+            for index, block in enumerate(hit.blocks):
+                expected = make_kv(int.from_bytes(block.key.digest[:4], "little"))
+                if block.tokens != tuple(prompt[index * 4 : index * 4 + 4]) or not torch.equal(block.kv, expected):
+                    failures.append(f"wrong block {index} for prompt {prompt[8]}")
+
+    threads = [threading.Thread(target=work, args=(prompt,)) for prompt in prompts[:6]]
+    for thread in threads:
+        thread.start()
+    await asyncio.gather(*(asyncio.to_thread(work, prompt) for prompt in prompts[6:]))
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    store.wait_for_disk()
+    for prompt in prompts:
+        assert store.lookup(NS, prompt + [0]).cached_tokens == 24
+    device, host, disk = store.stats()
+    assert device.entries + host.entries <= 16 and disk.entries == len({e.key for e in store.entries()})
+
+
+def test_an_unknown_policy_name_is_an_error_listing_the_valid_ones(tmp_path: Path) -> None:
+    bad = StoreConfig(device=TierConfig(0), host=TierConfig(BLOCK, policy="lfu"), disk=TierConfig(BLOCK))
+    with pytest.raises(KeyError, match="lru"):
+        TieredStore.open(tmp_path, LAYOUT, bad)

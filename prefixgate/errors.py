@@ -50,3 +50,7 @@ class RequestError(PrefixgateError, ValueError):
 
 class ContextLengthError(RequestError):
     """The prompt (plus the requested tokens) does not fit the model's context."""
+
+
+class DynamicPatternError(ConfigError):
+    """A dynamic-content pattern setting has a bad name, or a regex that does not compile or matches empty text."""

@@ -1,0 +1,143 @@
+"""The backend protocol: what the engine asks of a model, and the data it passes across."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from prefixgate.errors import RequestError
+
+FinishReason = Literal["stop", "length"]
+
+BlockCallback = Callable[[int, Sequence[int], torch.Tensor], None]
+"""`on_block(block_index, block_token_ids, kv)`: a newly completed block, called from the model's worker thread.
+
+`kv` is a standalone tensor of `KVGeometry.block_shape` on the model's device (never a view into the live cache, and
+an ordinary tensor, not an inference tensor); block `i` covers tokens `[i * block_size, (i + 1) * block_size)` of
+prompt plus generated tokens. It should return quickly (it runs between model steps); an exception it raises fails
+the request.
+"""
+
+# Bounds of `torch.Generator.manual_seed`: it takes any 64-bit pattern, signed or unsigned.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Describe the shape and dtype of one KV block of a model."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Return the shape of one block: `[layers, 2, kv_heads, block_size, head_dim]`."""
+        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Return the size of one block in bytes."""
+        return math.prod(self.block_shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Say how to pick tokens and when to stop; temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Ranges that hold for every model; what depends on the model (context, n) the backend checks.
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if not (0.0 <= self.temperature <= 2.0):  # also catches NaN
+            raise RequestError(f"temperature must be between 0 and 2, got {self.temperature}", param="temperature")
+        if not (0.0 < self.top_p <= 1.0):  # also catches NaN
+            raise RequestError(f"top_p must be greater than 0 and at most 1, got {self.top_p}", param="top_p")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be 0 (off) or a positive count, got {self.top_k}", param="top_k")
+        if self.seed is not None and not (_SEED_MIN <= self.seed <= _SEED_MAX):
+            raise RequestError(
+                f"seed must be a 64-bit integer (between {_SEED_MIN} and {_SEED_MAX}), got {self.seed}",
+                param="seed",
+            )
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            raise RequestError(
+                f"at most {_MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}", param="stop"
+            )
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must not be empty", param="stop")
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}", param="n")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Carry one generated token and the text that became stable with it; the last one has a finish reason."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Render prompts to token ids and generate from them, starting from cached KV blocks."""
+
+    model_id: str
+    fingerprint: str
+    tokenizer_hash: str
+    geometry: KVGeometry
+    context_length: int
+    prefix_reuse: bool
+    reuse_refusal: str | None
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render chat messages with the model's own template, ending with the assistant's turn."""
+        ...
+
+    def render_text(self, prompt: str) -> list[int]:
+        """Tokenize a plain completion prompt."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Turn token ids back into text, leaving out special tokens."""
+        ...
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        cached_blocks: Sequence[torch.Tensor],
+        params: SamplingParams,
+        on_block: BlockCallback | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """Stream the continuation of `token_ids`, starting from the KV of `cached_blocks` (block 0 first)."""
+        ...
+
+    async def prefill(
+        self,
+        token_ids: Sequence[int],
+        cached_blocks: Sequence[torch.Tensor],
+        on_block: BlockCallback | None,
+    ) -> int:
+        """Compute the prompt's blocks past `cached_blocks` and hand them to `on_block`; return tokens computed."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the backend: cancel running work and release the model."""
+        ...

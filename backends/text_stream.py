@@ -1,0 +1,72 @@
+"""The text stream: turn generated token ids into stable text, cut at the first stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Prompt tokens decoded ahead of the generated ones: tokenizers that drop a leading space when a word starts the
+# decoded text (SentencePiece) then render the first generated word as they would mid-sentence.
+_CONTEXT_TOKENS = 6
+_INCOMPLETE = "\ufffd"  # what a decoder shows for the first bytes of a multi-byte character
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """Text that became stable with one token, and whether a stop string ended the stream there."""
+
+    text: str
+    stopped: bool
+
+
+class TextStream:
+    """Decode one request's generated tokens incrementally; never release text that belongs to a stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._tokens = list(prompt_ids[-_CONTEXT_TOKENS:])
+        # Decoding every generated token each step would cost O(n^2); instead decode only the tokens since the last
+        # stable point (the window [prefix, ...)), and compare with the window's text up to `read`.
+        self._prefix = 0
+        self._read = len(self._tokens)
+        self._held = ""  # stable text kept back because it could be the start of a stop string
+
+    def push(self, token_id: int) -> TextDelta:
+        """Add one generated token; return the text that is now safe to send."""
+        self._tokens.append(token_id)
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
+        # A trailing U+FFFD means a multi-byte character is still incomplete: wait for its remaining tokens.
+        if len(after) <= len(before) or after.endswith(_INCOMPLETE):
+            return self._release("", final=False)
+        self._prefix, self._read = self._read, len(self._tokens)
+        return self._release(after[len(before) :], final=False)
+
+    def finish(self) -> TextDelta:
+        """Flush everything still pending (held text, an incomplete character) at the end of generation."""
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
+        self._prefix = self._read = len(self._tokens)
+        return self._release(after[len(before) :], final=True)
+
+    def _release(self, new_text: str, *, final: bool) -> TextDelta:
+        text = self._held + new_text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return TextDelta(text[:cut], stopped=True)
+        keep = 0 if final else _stop_prefix_length(text, self._stop)
+        self._held = text[len(text) - keep :] if keep else ""
+        return TextDelta(text[: len(text) - keep], stopped=False)
+
+
+def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
+    """Return the length of the longest end of `text` that some stop string starts with."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest

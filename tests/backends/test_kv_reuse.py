@@ -1,0 +1,173 @@
+"""Starting from cached KV blocks gives what a full recompute gives: logits, tokens and the blocks handed back."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends.kv_cache import build_cache
+from prefixgate.backends.model_runner import ModelRunner
+from tests.backends.conftest import BackendFactory
+from tests.backends.streams import GREEDY, BlockSink, collect, transformers_greedy
+
+# float32 on CPU: a cached prefix and a full recompute differ only by summation order, far below this.
+ATOL = 1e-4
+
+
+def make_prompt(length: int, offset: int = 3) -> list[int]:
+    """Return a deterministic prompt of `length` ordinary token ids."""
+    return [(offset + 7 * i) % 250 + 3 for i in range(length)]
+
+
+def reference_cache(model: PreTrainedModel, token_ids: list[int]) -> DynamicCache:
+    """Run transformers itself over all tokens in one pass and return its cache."""
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.tensor([token_ids]), use_cache=True, **{ModelRunner(model).cache_argument: cache})
+    return cache
+
+
+def reference_block(cache: DynamicCache, index: int, size: int) -> torch.Tensor:
+    """Slice block `index` out of a reference cache."""
+    span = slice(index * size, (index + 1) * size)
+    layers = []
+    for layer in cache.layers:
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+        layers.append(torch.stack((layer.keys[0, :, span], layer.values[0, :, span])))  # [2, kv_heads, bs, head_dim]
+    return torch.stack(layers)  # block: [layers, 2, kv_heads, block, head_dim]
+
+
+async def test_logits_after_cached_prefix_match_full_recompute(
+    make_backend: BackendFactory, llama: PreTrainedModel
+) -> None:
+    backend = make_backend()
+    prompt = make_prompt(45)
+    sink = BlockSink()
+    assert await backend.prefill(prompt, [], sink) == 40
+    with torch.inference_mode():
+        full = llama(torch.tensor([prompt])).logits[0]  # full: [45, vocab]
+        for cached in (1, 3, 5):
+            cache = build_cache(sink.blocks[:cached], llama.config, torch.device("cpu"))
+            suffix = torch.tensor([prompt[cached * 8 :]])
+            runner = ModelRunner(llama)
+            logits = llama(suffix, use_cache=True, **{runner.cache_argument: cache}).logits[0]  # [suffix, vocab]
+            torch.testing.assert_close(logits, full[cached * 8 :], atol=ATOL, rtol=0)
+
+
+async def test_greedy_continuation_is_token_identical_with_and_without_cached_blocks(
+    make_backend: BackendFactory,
+) -> None:
+    backend = make_backend()
+    prompt = make_prompt(37)
+    sink = BlockSink()
+    full = await collect(backend, prompt, on_block=sink)
+    assert sink.indices[:4] == [0, 1, 2, 3]
+    for cached in (1, 2, 4):
+        reused = await collect(backend, prompt, sink.blocks[:cached])
+        assert reused.token_ids == full.token_ids
+        assert reused.text == full.text
+
+
+async def test_greedy_output_matches_transformers_generate(
+    make_backend: BackendFactory, llama: PreTrainedModel
+) -> None:
+    prompt = make_prompt(37)
+    expected = transformers_greedy(llama, prompt, GREEDY.max_tokens)
+    backend = make_backend(prefill_chunk_tokens=5)
+    sink = BlockSink()
+    assert (await collect(backend, prompt, on_block=sink)).token_ids == expected
+    assert (await collect(backend, prompt, sink.blocks[:3])).token_ids == expected
+
+
+async def test_chunked_prefill_equals_unchunked(make_backend: BackendFactory) -> None:
+    prompt = make_prompt(61)
+    one_pass, chunked = BlockSink(), BlockSink()
+    whole = await collect(make_backend(prefill_chunk_tokens=1000), prompt, on_block=one_pass)
+    # 5-token chunks straddle block boundaries, so blocks complete mid-chunk and across chunks.
+    pieces = await collect(make_backend(prefill_chunk_tokens=5), prompt, on_block=chunked)
+    assert pieces.token_ids == whole.token_ids
+    assert chunked.indices == one_pass.indices
+    for a, b in zip(chunked.blocks, one_pass.blocks, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+async def test_each_prefill_chunk_hands_back_its_completed_blocks_at_once(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    events: list[str] = []
+    backend = make_backend(prefill_chunk_tokens=20, on_step=lambda r: events.append(f"{r.kind}:{r.tokens}"))
+    await backend.prefill(make_prompt(64), [], lambda i, _t, _kv: events.append(f"block:{i}"))
+    # Chunks end at tokens 20, 40, 60, 64: blocks 0-1, 2-4, 5-6, 7 complete in those chunks.
+    assert events == [
+        "block:0", "block:1", "prefill:20",
+        "block:2", "block:3", "block:4", "prefill:20",
+        "block:5", "block:6", "prefill:20",
+        "block:7", "prefill:4",
+    ]  # fmt: skip
+
+
+async def test_full_prompt_hit_still_computes_the_last_token(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    backend = make_backend(on_step=steps.append)
+    prompt = make_prompt(32)  # exactly 4 blocks
+    sink = BlockSink()
+    full = await collect(backend, prompt, on_block=sink)
+    steps.clear()
+    again = BlockSink()
+    hit = await collect(backend, prompt, sink.blocks[:4], on_block=again)
+    prefill = [s for s in steps if s.kind == "prefill"]
+    # All 4 blocks were offered; the last is dropped and its 8 tokens recomputed to get the last token's logits.
+    assert [s.tokens for s in prefill] == [8]
+    assert hit.token_ids == full.token_ids
+    assert 3 not in again.indices, "a block the caller passed in is never handed back"
+
+
+async def test_blocks_handed_back_equal_slices_of_a_full_recompute_cache(
+    make_backend: BackendFactory, llama: PreTrainedModel
+) -> None:
+    backend = make_backend()
+    prompt = make_prompt(27)
+    sink = BlockSink()
+    result = await collect(backend, prompt, params=SamplingParams(max_tokens=30, temperature=0), on_block=sink)
+    assert result.finish_reason == "length"
+    every = prompt + result.token_ids
+    # The last generated token is never fed back, so blocks cover at most all but it.
+    assert sink.indices == list(range((len(every) - 1) // 8))
+    assert len(sink.indices) > len(prompt) // 8, "decode must hand back blocks of generated tokens too"
+    cache = reference_cache(llama, every[:-1])
+    for index, tokens, kv in zip(sink.indices, sink.tokens, sink.blocks, strict=True):
+        assert tokens == every[index * 8 : (index + 1) * 8]
+        assert kv.shape == backend.geometry.block_shape and kv.dtype == backend.geometry.dtype
+        assert kv._base is None and kv.is_contiguous(), "a block is a standalone tensor, not a view of the cache"
+        assert not kv.is_inference(), "a store may write to the block in place"
+        torch.testing.assert_close(kv, reference_block(cache, index, 8), atol=ATOL, rtol=0)
+    assert all(name.startswith("prefixgate-") for name in sink.threads)
+
+
+async def test_prefill_hands_back_only_new_full_blocks(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    prompt = make_prompt(29)
+    first = BlockSink()
+    assert await backend.prefill(prompt, [], first) == 24
+    assert first.indices == [0, 1, 2]
+    second = BlockSink()
+    assert await backend.prefill(prompt, first.blocks[:1], second) == 16
+    assert second.indices == [1, 2]
+    torch.testing.assert_close(second.blocks[1], first.blocks[2], atol=ATOL, rtol=0)
+    nothing = BlockSink()
+    assert await backend.prefill(prompt, first.blocks, nothing) == 0
+    assert nothing.indices == []
+
+
+async def test_blocks_load_onto_the_model_from_any_layout_of_the_same_geometry(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    prompt = make_prompt(20)
+    sink = BlockSink()
+    full = await collect(backend, prompt, on_block=sink)
+    # A store may hand back non-contiguous tensors (e.g. slices of a pool); values, not layout, matter.
+    strided = [b.transpose(3, 4).contiguous().transpose(3, 4) for b in sink.blocks]
+    assert not strided[0].is_contiguous()
+    assert (await collect(backend, prompt, strided[:2])).token_ids == full.token_ids

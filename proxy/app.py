@@ -1,0 +1,319 @@
+"""The aiohttp app: OpenAI-compatible routes over the engine. Handlers parse, call the engine, render."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from prefixgate.backends import HFBackend
+from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
+from prefixgate.proxy import openai_api as api
+from prefixgate.proxy.engine import Engine, Generation
+from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
+from prefixgate.proxy.settings import Settings
+from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+
+log = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", Engine)
+SETTINGS = web.AppKey("settings", Settings)
+REQUEST_ID = web.RequestKey("request_id", str)
+TENANT = web.RequestKey("tenant", str)
+_Body = TypeVar("_Body", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+EngineFactory = Callable[[Settings], Awaitable[Engine]]
+
+
+async def build_engine(settings: Settings) -> Engine:
+    """Load the model named in the settings, open the store beside it, and join them in an engine."""
+    backend = await asyncio.to_thread(
+        HFBackend.load,
+        settings.model,
+        dtype=None if settings.dtype == "auto" else settings.dtype,
+        block_size=settings.block_size,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        model_cache_dir=settings.model_cache_dir,
+    )
+    geometry = backend.geometry
+    defaults = StoreConfig.defaults(backend.device)
+    device_bytes = defaults.device.capacity_bytes if settings.device_budget is None else int(settings.device_budget)
+    policy = {"policy": settings.policy, "ttl": settings.ttl, "idle_ttl": settings.idle_ttl}
+    config = StoreConfig(
+        device=TierConfig(device_bytes, **policy),  # type: ignore[arg-type]
+        host=TierConfig(int(settings.host_budget), **policy),  # type: ignore[arg-type]
+        disk=TierConfig(int(settings.disk_budget), **policy),  # type: ignore[arg-type]
+    )
+    try:
+        store = await asyncio.to_thread(
+            TieredStore.open,
+            settings.store,
+            BlockLayout(geometry.block_shape, geometry.dtype),
+            config,
+            device=backend.device,
+        )
+    except BaseException:
+        await backend.aclose()
+        raise
+    patterns = (
+        tuple(DynamicPattern(name, regex) for name, regex in settings.layout_patterns.items())
+        if settings.layout_patterns is not None
+        else DEFAULT_PATTERNS
+    )
+    return Engine(backend, store, patterns=patterns, layout=settings.layout)
+
+
+def create_app(settings: Settings, engine_factory: EngineFactory = build_engine) -> web.Application:
+    """Build the app; the engine is made by `engine_factory` at startup and closed at cleanup."""
+    app = web.Application(
+        client_max_size=int(settings.max_body_bytes),
+        middlewares=[_request_ids, _errors, _tenants],
+    )
+    app[SETTINGS] = settings
+
+    async def engine_context(app: web.Application) -> AsyncIterator[None]:
+        app[ENGINE] = await engine_factory(settings)
+        yield
+        await app[ENGINE].close()
+
+    app.cleanup_ctx.append(engine_context)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# -- handlers -----------------------------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _generate(request, await _parse(request, api.ChatCompletionRequest), chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _generate(request, await _parse(request, api.CompletionRequest), chat=False)
+
+
+async def _generate(
+    request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
+) -> web.StreamResponse:
+    engine = _engine_for(request, body.model)
+    try:
+        generation = await engine.generate(body.to_prompt_request(request[TENANT]))
+    except RequestError as error:
+        if chat and error.param == "prompt":
+            error.param = "messages"  # the engine's prompt is this API's messages
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(request, generation, body.model, include_usage, chat=chat)
+    async with generation:
+        text = "".join([chunk.text async for chunk in generation])
+    render = api.chat_completion if chat else api.text_completion
+    payload = render(generation.request_id, body.model, text, generation.finish_reason or "stop", generation.usage())
+    return web.json_response(payload, headers=_headers(generation))
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models."""
+    engine = request.app[ENGINE]
+    model = {
+        "id": engine.backend.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefixgate",
+        "context_length": engine.backend.context_length,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health."""
+    engine = request.app[ENGINE]
+    return web.json_response(
+        {"status": "ok", "model": engine.backend.model_id, "prefix_reuse": engine.backend.prefix_reuse}
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics, in Prometheus text format."""
+    engine = request.app[ENGINE]
+    tiers = await asyncio.to_thread(engine.store.stats)
+    return web.Response(text=engine.stats.prometheus(tiers), content_type="text/plain", charset="utf-8")
+
+
+# -- rendering ----------------------------------------------------------------------------------------------------
+
+
+async def _stream(
+    request: web.Request, generation: Generation, model: str, include_usage: bool, *, chat: bool
+) -> web.StreamResponse:
+    """Send the generation as server-sent events, exactly as OpenAI does."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
+    )
+    await response.prepare(request)
+    created = int(time.time())
+    rid = generation.request_id
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+        if not chat:
+            return api.text_chunk(rid, model, created, text or "", finish_reason)
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        body = api.chat_chunk(rid, model, created, delta, finish_reason)
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    async with generation:
+        try:
+            if chat:
+                await _send(response, chunk(None, None, role=True))
+            async for token in generation:
+                if token.text:
+                    await _send(response, chunk(token.text, None))
+            await _send(response, chunk(None, generation.finish_reason))
+            if include_usage:
+                await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client left request %s; generation stopped", rid)  # aclose() below stops the model
+            raise
+        except PrefixgateError as error:
+            _, body = _error_response(error)
+            await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+        except Exception:
+            log.exception("request %s failed while streaming", rid)
+            body = api.error_body("internal error while generating; see the server log", "server_error")
+            await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
+
+
+def _headers(generation: Generation) -> dict[str, str]:
+    headers = {"x-prefixgate-cached-tokens": str(generation.hit.cached_tokens)}
+    if generation.moved:
+        headers["x-prefixgate-layout-moved"] = describe(generation.moved)
+    return headers
+
+
+# -- parsing and the edge -----------------------------------------------------------------------------------------
+
+
+async def _parse(request: web.Request, model: type[_Body]) -> _Body:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    return model.model_validate(data)
+
+
+def _engine_for(request: web.Request, model: str) -> Engine:
+    engine = request.app[ENGINE]
+    if model != engine.backend.model_id:
+        raise ModelNotServed(model, engine.backend.model_id)
+    return engine
+
+
+class ModelNotServed(PrefixgateError, LookupError):
+    """A request names a model this server does not serve."""
+
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(f"the model {asked!r} does not exist here; this server serves {served!r}")
+
+
+@web.middleware
+async def _request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    request[REQUEST_ID] = request_id
+    try:
+        response = await handler(request)
+    except web.HTTPException as error:
+        error.headers["x-request-id"] = request_id
+        raise
+    if not response.prepared:
+        response.headers["x-request-id"] = request_id
+    return response
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except PrefixgateError as error:
+        status, body = _error_response(error)
+        return web.json_response(body, status=status)
+    except ValidationError as error:
+        problems = error.errors()
+        param = ".".join(str(part) for part in problems[0]["loc"]) if problems else None
+        message = "; ".join(_describe_problem(problem) for problem in problems)
+        return web.json_response(api.error_body(message, "invalid_request_error", param=param), status=400)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
+        message = f"the request body is larger than {limit} bytes; send a smaller one (max_body_bytes)"
+        return web.json_response(api.error_body(message, "invalid_request_error"), status=413)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {error.reason}"
+        code = "not_found" if error.status == 404 else None
+        return web.json_response(api.error_body(message, "invalid_request_error", code=code), status=error.status)
+    except Exception:
+        log.exception("request %s failed", request.get(REQUEST_ID))
+        body = api.error_body("internal error; see the server log", "server_error")
+        return web.json_response(body, status=500)
+
+
+@web.middleware
+async def _tenants(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map the API key to its tenant; with no keys configured everyone is the anonymous tenant."""
+    keys = request.app[SETTINGS].api_keys
+    request[TENANT] = ""
+    if keys and request.path.startswith("/v1/"):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        tenant = keys.get(key) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            message = "a valid API key is required: send 'Authorization: Bearer <key>'"
+            return web.json_response(
+                api.error_body(message, "invalid_request_error", code="invalid_api_key"), status=401
+            )
+        request[TENANT] = tenant
+    return await handler(request)
+
+
+def _error_response(error: PrefixgateError) -> tuple[int, dict[str, Any]]:
+    if isinstance(error, ModelNotServed):
+        return 404, api.error_body(str(error), "invalid_request_error", param="model", code="model_not_found")
+    param = getattr(error, "param", None)
+    code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+    return 400, api.error_body(str(error), "invalid_request_error", param=param, code=code)
+
+
+def _describe_problem(problem: Any) -> str:
+    where = ".".join(str(part) for part in problem["loc"]) or "body"
+    if problem["type"] == "extra_forbidden":
+        return f"{where}: unknown field; remove it (prefixgate refuses fields it would otherwise ignore)"
+    if problem["type"] == "missing":
+        return f"{where}: required"
+    return f"{where}: {problem['msg']}"

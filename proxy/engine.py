@@ -1,0 +1,318 @@
+"""The engine: one object runs the whole pipeline for every face (HTTP, decorator, admin) and keeps the statistics.
+
+validate → canonicalize → lay out → render → longest cached prefix → generate → store each new block
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixgate.backends import Backend, SamplingParams, TokenChunk
+from prefixgate.errors import RequestError
+from prefixgate.proxy.canonicalize import (
+    DEFAULT_RULES,
+    CanonicalRules,
+    canonicalize_messages,
+    canonicalize_text,
+    canonicalize_tools,
+)
+from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
+from prefixgate.proxy.statistics import EngineStats
+from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRequest:
+    """One request as the engine takes it, from any face: chat `messages` or a completion `prompt`."""
+
+    params: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tenant: str = ""  # who asks; decided by the server, never by the client
+    cache_salt: str | None = None  # splits the tenant's cache further
+    layout: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise RuntimeError("a PromptRequest has either messages or a prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A request turned into token ids, with its namespace and the keys of its full blocks."""
+
+    token_ids: tuple[int, ...]
+    namespace: Namespace
+    keys: tuple[BlockKey, ...]  # every full block of the prompt
+    reusable: int  # how many of `keys` may be served from cache (never the last prompt token)
+    moved: tuple[MovedValue, ...]  # what layout moved out of the static prefix
+    messages: list[dict[str, Any]] | None  # as rendered: canonical and laid out
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The whole result of a non-streaming request."""
+
+    request_id: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    moved: tuple[MovedValue, ...]
+
+
+class Engine:
+    """Run prompts through canonicalization, layout, the cache and the model; keep one set of statistics."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        store: TieredStore,
+        *,
+        rules: CanonicalRules = DEFAULT_RULES,
+        patterns: Sequence[DynamicPattern] = DEFAULT_PATTERNS,
+        layout: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.stats = EngineStats()
+        self._rules = rules
+        self._patterns = tuple(patterns)
+        self._layout = layout
+        self._inflight: dict[BlockKey, asyncio.Future[None]] = {}
+        # One thread files blocks into the store, in the order the model completes them, off the model's thread.
+        self._filer = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-store")
+
+    # -- the pipeline -------------------------------------------------------------------------------------------
+
+    async def prepare(self, request: PromptRequest) -> PreparedPrompt:
+        """Canonicalize, lay out and render a request; key its blocks in the tenant's namespace."""
+        moved: tuple[MovedValue, ...] = ()
+        messages = None
+        if request.messages is not None:
+            messages = canonicalize_messages(request.messages, self._rules)
+            if request.layout and self._layout:
+                laid_out = lay_out(messages, self._patterns)
+                messages, moved = laid_out.messages, laid_out.moved
+            tools = canonicalize_tools(request.tools, self._rules)
+            token_ids = await asyncio.to_thread(self.backend.render_chat, messages, tools=tools)
+        else:
+            assert request.prompt is not None
+            token_ids = await asyncio.to_thread(
+                self.backend.render_text, canonicalize_text(request.prompt, self._rules)
+            )
+        if not token_ids:
+            raise RequestError("the prompt renders to no tokens; send some text", param="prompt")
+        namespace = self.namespace(request.tenant, request.cache_salt)
+        block_size = self.backend.geometry.block_size
+        keys = tuple(chain_keys(self.store.seed(namespace), token_ids, block_size))
+        return PreparedPrompt(
+            token_ids=tuple(token_ids),
+            namespace=namespace,
+            keys=keys,
+            reusable=(len(token_ids) - 1) // block_size,
+            moved=moved,
+            messages=messages,
+            tenant=request.tenant,
+        )
+
+    def namespace(self, tenant: str, cache_salt: str | None = None) -> Namespace:
+        """Return the namespace of a tenant's blocks (split further by `cache_salt`)."""
+        geometry = self.backend.geometry
+        return Namespace(
+            model_fingerprint=self.backend.fingerprint,
+            tokenizer_hash=self.backend.tokenizer_hash,
+            dtype=str(geometry.dtype).removeprefix("torch."),
+            block_shape=geometry.block_shape,
+            # JSON keeps ("a", "b:c") and ("a:b", "c") apart, which joining with a separator would not.
+            tenant_salt=json.dumps([tenant, cache_salt]),
+        )
+
+    async def generate(self, request: PromptRequest) -> Generation:
+        """Start a request and return its token stream once the first token is out (errors surface here)."""
+        started = time.perf_counter()
+        request_id = f"pg-{uuid.uuid4().hex[:24]}"
+        prepared = await self.prepare(request)
+        hit, owned = await self._claim(prepared)
+        try:
+            stream = self.backend.generate(
+                prepared.token_ids,
+                [block.kv for block in hit.blocks],
+                request.params,
+                on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
+            )
+            generation = Generation(self, request_id, prepared, hit, stream, owned, started)
+            await generation.start()
+        except BaseException:
+            self._release(owned)
+            self.stats.count_error()
+            raise
+        return generation
+
+    async def complete(self, request: PromptRequest) -> Completion:
+        """Run a request to the end and return its text, finish reason and usage."""
+        generation = await self.generate(request)
+        async with generation:
+            text = "".join([chunk.text async for chunk in generation])
+        return Completion(
+            generation.request_id, text, generation.finish_reason or "stop", generation.usage(), generation.moved
+        )
+
+    async def close(self) -> None:
+        """Stop the model, finish filing blocks and close the store."""
+        await self.backend.aclose()
+        await asyncio.to_thread(self._filer.shutdown, wait=True)
+        await asyncio.to_thread(self.store.close)
+
+    # -- the cache ----------------------------------------------------------------------------------------------
+
+    async def _claim(self, prepared: PreparedPrompt) -> tuple[PrefixHit, list[BlockKey]]:
+        """Fetch the cached prefix; wait for blocks another request is computing; claim the rest to compute.
+
+        Two requests sharing an uncached prefix compute it once: the second waits for the first's blocks.
+        """
+        keys = prepared.keys[: prepared.reusable]
+        while True:
+            if self.backend.prefix_reuse:
+                hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+            else:
+                hit = PrefixHit(keys, (), self.backend.geometry.block_size)
+            first_missing = len(hit.blocks)
+            last_inflight = first_missing
+            while last_inflight < len(keys) and keys[last_inflight] in self._inflight:
+                last_inflight += 1
+            if last_inflight == first_missing or not self.backend.prefix_reuse:
+                break
+            await asyncio.shield(self._inflight[keys[last_inflight - 1]])
+        loop = asyncio.get_running_loop()
+        owned = [key for key in keys[first_missing:] if key not in self._inflight]
+        for key in owned:
+            self._inflight[key] = loop.create_future()
+        return hit, owned
+
+    def _release(self, owned: list[BlockKey]) -> None:
+        """Let waiters go on when a request ends, whether or not its blocks were stored."""
+        for key in owned:
+            future = self._inflight.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    def _block_filer(self, prepared: PreparedPrompt, loop: asyncio.AbstractEventLoop) -> Any:
+        """Return the callback that keys each completed block and files it into the store."""
+        keys = list(prepared.keys)
+        block_size = self.backend.geometry.block_size
+        seed = self.store.seed(prepared.namespace)
+
+        def on_block(index: int, tokens: Sequence[int], kv: torch.Tensor) -> None:
+            # Runs on the model's thread: key it (generated tokens extend the chain) and hand it on.
+            if index == len(keys):
+                keys.append(chain_keys(keys[-1].digest if keys else seed, tokens, block_size)[0])
+            key = keys[index]
+            parent = keys[index - 1] if index else None
+            block = Block(key, tuple(tokens), kv, parent=parent, tenant=prepared.tenant)
+            self._filer.submit(self._file, block, loop)
+
+        return on_block
+
+    def _file(self, block: Block, loop: asyncio.AbstractEventLoop) -> None:
+        self.store.put([block])
+        loop.call_soon_threadsafe(self._stored, block.key)
+
+    def _stored(self, key: BlockKey) -> None:
+        future = self._inflight.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+
+class Generation:
+    """The token stream of one started request, with what is known of it so far."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        prepared: PreparedPrompt,
+        hit: PrefixHit,
+        stream: AsyncIterator[TokenChunk],
+        owned: list[BlockKey],
+        started: float,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prepared = prepared
+        self.hit = hit
+        self.moved = prepared.moved
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.time_to_first_token: float | None = None
+        self._stream = stream
+        self._owned = owned
+        self._started = started
+        self._first: TokenChunk | None = None
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Return the number of prompt tokens."""
+        return len(self.prepared.token_ids)
+
+    def usage(self) -> Usage:
+        """Return token counts so far."""
+        return Usage(self.prompt_tokens, self.completion_tokens, self.hit.cached_tokens, self.hit.tokens_by_tier)
+
+    async def start(self) -> None:
+        """Compute up to the first token, so errors come before any response is sent."""
+        self._first = await anext(self._stream)
+        self.time_to_first_token = time.perf_counter() - self._started
+        self.engine.stats.count_request(self.prompt_tokens, self.hit.tokens_by_tier, self.time_to_first_token)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        if self._first is not None:
+            chunk, self._first = self._first, None
+        else:
+            chunk = await anext(self._stream)
+        self.completion_tokens += 1
+        self.finish_reason = chunk.finish_reason
+        return chunk
+
+    async def aclose(self) -> None:
+        """Stop generating (the model stops within one step); blocks already computed stay cached."""
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self.engine.stats.count_completion(self.completion_tokens)
+        self.engine._release(self._owned)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,112 @@
+"""Server settings: read once at the edge from flags, `PREFIXGATE_*` variables and a TOML file, then validated."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    ByteSize,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from prefixgate.errors import ConfigError
+from prefixgate.policies import policy_names
+
+_config_file: ContextVar[Path | None] = ContextVar("prefixgate_config_file", default=None)
+
+
+class Settings(BaseSettings):
+    """Every setting of a prefixgate server; precedence: flags, then environment, then config file, then default."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFIXGATE_", extra="forbid", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    model: str = Field(
+        "smollm2-135m",
+        description="model to serve: the embedded default's short name, a local Hugging Face folder, or a GGUF file",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="model and KV dtype; auto is bfloat16 on CUDA, float32 on CPU"
+    )
+    store: Path | None = Field(
+        Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"
+    )
+    block_size: PositiveInt = Field(64, le=4096, description="tokens per cached KV block")
+    prefill_chunk_tokens: PositiveInt = Field(512, description="prompt tokens computed per forward pass")
+    device_budget: ByteSize | None = Field(
+        None, description="device tier bytes (e.g. 4GiB); default 4GiB with CUDA, 0 on CPU"
+    )
+    host_budget: ByteSize = Field(ByteSize(8 << 30), description="host (CPU memory) tier bytes")
+    disk_budget: ByteSize = Field(ByteSize(64 << 30), description="disk (LMDB) tier bytes; 0 turns it off")
+    policy: str = Field("lru", description=f"eviction policy of every tier: {', '.join(policy_names())}")
+    ttl: PositiveFloat | None = Field(None, description="seconds a block lives after it is computed")
+    idle_ttl: PositiveFloat | None = Field(None, description="seconds a block lives after its last use")
+    layout: bool = Field(True, description="move dates, times and ids out of system prompts (static before dynamic)")
+    layout_patterns: dict[str, str] | None = Field(
+        None, description="named regexes of per-request content to move (replaces the defaults)"
+    )
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description="API key -> tenant; empty means no key is required"
+    )
+    admin_key: str | None = Field(None, description="key for /admin; unset means /admin answers 403")
+    max_body_bytes: ByteSize = Field(ByteSize(16 << 20), description="largest request body accepted")
+    model_cache_dir: Path = Field(
+        Path.home() / ".cache" / "prefixgate" / "models", description="where converted models are kept"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in policy_names():
+            raise ValueError(f"unknown policy {value!r}; choose one of: {', '.join(policy_names())}")
+        return value
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _empty_store_is_none(cls, value: Any) -> Any:
+        return None if value in ("", "none", "None") else value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        config_file = _config_file.get()
+        if config_file is not None:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=config_file),)
+        return sources
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Return validated settings; raise ConfigError naming every bad setting and what it accepts."""
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"config file {config_file} does not exist")
+    token = _config_file.set(config_file)
+    try:
+        return Settings(**{name: value for name, value in overrides.items() if value is not None})
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc']) or 'settings'}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        raise ConfigError(f"bad settings: {problems}") from None
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,92 @@
+"""The engine's statistics, and their Prometheus text rendering for `/metrics`."""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefixgate.store import TierStats
+
+# Seconds; from a cached short prompt to a cold 8k-token prefill on a CPU.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class EngineStats:
+    """Counts of requests, tokens and cache hits since the engine started; safe to update from any thread."""
+
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # per tier
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count_request(self, prompt_tokens: int, cached_by_tier: dict[str, int], ttft: float) -> None:
+        """Count a request that produced its first token."""
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            for tier, tokens in cached_by_tier.items():
+                self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + tokens
+            self.ttft_buckets[bisect_left(TTFT_BUCKETS, ttft)] += 1
+            self.ttft_sum += ttft
+
+    def count_completion(self, tokens: int) -> None:
+        """Count the tokens a finished request generated."""
+        with self._lock:
+            self.completion_tokens += tokens
+
+    def count_error(self) -> None:
+        """Count a request that failed before its first token."""
+        with self._lock:
+            self.errors += 1
+
+    def prometheus(self, tiers: Sequence[TierStats]) -> str:
+        """Return the statistics, and the store's, in Prometheus text exposition format."""
+        with self._lock:
+            lines = [
+                *_counter("prefixgate_requests_total", "Requests that produced a first token.", self.requests),
+                *_counter("prefixgate_request_errors_total", "Requests that failed before a token.", self.errors),
+                *_counter("prefixgate_prompt_tokens_total", "Prompt tokens of all requests.", self.prompt_tokens),
+                *_counter(
+                    "prefixgate_completion_tokens_total", "Tokens generated for all requests.", self.completion_tokens
+                ),
+                "# HELP prefixgate_cached_tokens_total Prompt tokens served from the cache, by tier.",
+                "# TYPE prefixgate_cached_tokens_total counter",
+                *(
+                    f'prefixgate_cached_tokens_total{{tier="{tier.name}"}} {self.cached_tokens.get(tier.name, 0)}'
+                    for tier in tiers
+                ),
+                "# HELP prefixgate_time_to_first_token_seconds Time from request to first token.",
+                "# TYPE prefixgate_time_to_first_token_seconds histogram",
+            ]
+            running = 0
+            for bound, count in zip((*TTFT_BUCKETS, float("inf")), self.ttft_buckets, strict=True):
+                running += count
+                label = "+Inf" if bound == float("inf") else repr(bound)
+                lines.append(f'prefixgate_time_to_first_token_seconds_bucket{{le="{label}"}} {running}')
+            lines.append(f"prefixgate_time_to_first_token_seconds_sum {self.ttft_sum}")
+            lines.append(f"prefixgate_time_to_first_token_seconds_count {running}")
+        for name, help_text, attribute in (
+            ("entries", "Blocks held, by tier.", "entries"),
+            ("bytes", "Bytes held, by tier.", "bytes"),
+            ("capacity_bytes", "Byte budget, by tier.", "capacity"),
+        ):
+            lines += [f"# HELP prefixgate_store_{name} {help_text}", f"# TYPE prefixgate_store_{name} gauge"]
+            lines += [f'prefixgate_store_{name}{{tier="{t.name}"}} {getattr(t, attribute)}' for t in tiers]
+        for counter in ("hits", "misses", "evictions", "expirations", "promotions", "demotions", "corrupt"):
+            lines += [
+                f"# HELP prefixgate_store_{counter}_total Block {counter}, by tier.",
+                f"# TYPE prefixgate_store_{counter}_total counter",
+            ]
+            lines += [f'prefixgate_store_{counter}_total{{tier="{t.name}"}} {getattr(t, counter)}' for t in tiers]
+        return "\n".join(lines) + "\n"
+
+
+def _counter(name: str, help_text: str, value: int) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]

@@ -1,0 +1,83 @@
+"""Fixtures for proxy tests: the real app over an engine on the tiny random-weight Llama, in this process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from prefixgate.backends import HFBackend, StepRecord
+from prefixgate.proxy.app import ENGINE, create_app
+from prefixgate.proxy.engine import Engine
+from prefixgate.proxy.settings import Settings, load_settings
+from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from tests.backends.tiny_models import make_llama, make_tokenizer
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def llama(tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    return make_llama(tokenizer, max_position_embeddings=1024)
+
+
+def tiny_engine(
+    settings: Settings, tokenizer: PreTrainedTokenizerFast, model: PreTrainedModel, steps: list[StepRecord]
+) -> Engine:
+    """Return an engine on the tiny Llama (8-token blocks, 16-token prefill chunks) and the settings' store."""
+    backend = HFBackend(
+        model, tokenizer, model_id=MODEL, block_size=BLOCK_SIZE, prefill_chunk_tokens=16, on_step=steps.append
+    )
+    geometry = backend.geometry
+    config = StoreConfig(TierConfig(0), TierConfig(int(settings.host_budget)), TierConfig(int(settings.disk_budget)))
+    store = TieredStore.open(settings.store, BlockLayout(geometry.block_shape, geometry.dtype), config)
+    return Engine(backend, store, layout=settings.layout)
+
+
+Serve = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+def steps() -> list[StepRecord]:
+    """Every model step the served engine runs, in order."""
+    return []
+
+
+@pytest.fixture
+async def serve(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, steps: list[StepRecord]
+) -> AsyncIterator[Serve]:
+    """Start the real app on a local port; settings are keyword arguments, as the CLI flags would give them."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def start(**overrides: Any) -> TestClient[Any, Any]:
+        overrides.setdefault("store", tmp_path / "store")
+        overrides.setdefault("model", MODEL)
+        settings = load_settings(**overrides)
+
+        async def factory(settings: Settings) -> Engine:
+            return tiny_engine(settings, tokenizer, llama, steps)
+
+        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings, factory)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
+
+
+def engine_of(client: TestClient[Any, Any]) -> Engine:
+    """Return the engine behind a test client's app."""
+    return client.server.app[ENGINE]  # type: ignore[union-attr]

@@ -1,0 +1,261 @@
+"""The OpenAI-compatible HTTP API on the real app: shapes, streaming, errors, request ids, tenants, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from tests.proxy.conftest import MODEL, Serve, engine_of
+
+SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
+
+
+def chat(content: str = "What is the capital of France?", **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    body.update(fields)
+    return body
+
+
+def sse_events(raw: str) -> list[tuple[str | None, str]]:
+    """Split a server-sent event stream into (event, data) pairs, checking the framing."""
+    assert raw.endswith("\n\n"), "every event ends with a blank line"
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        event, data = None, None
+        for line in block.split("\n"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                event = value
+            else:
+                assert field == "data", f"unexpected line {line!r}"
+                data = value
+        assert data is not None
+        events.append((event, data))
+    return events
+
+
+async def test_chat_completion_has_openai_shape_and_usage(serve: Serve) -> None:
+    client = await serve()
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status == 200
+    assert response.headers["x-request-id"]
+    body = await response.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_a_repeated_prompt_reports_cached_tokens_and_the_same_greedy_answer(serve: Serve) -> None:
+    client = await serve()
+    first = await (await client.post("/v1/chat/completions", json=chat())).json()
+    second = await (await client.post("/v1/chat/completions", json=chat())).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+    assert cached % 8 == 0
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+
+
+async def test_chat_streaming_sends_role_deltas_finish_usage_then_done(serve: Serve) -> None:
+    client = await serve()
+    response = await client.post(
+        "/v1/chat/completions", json=chat(stream=True, stream_options={"include_usage": True}, max_tokens=6)
+    )
+    assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await response.text())
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = chunks[-2]["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] in ("stop", "length")
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    streamed = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[:-1])
+    whole = await (await client.post("/v1/chat/completions", json=chat(max_tokens=6))).json()
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+async def test_chat_streaming_without_usage_sends_no_usage_chunk(serve: Serve) -> None:
+    client = await serve()
+    response = await client.post("/v1/chat/completions", json=chat(stream=True))
+    chunks = [json.loads(data) for _, data in sse_events(await response.text())[:-1]]
+    assert all("usage" not in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+async def test_completions_stream_and_not(serve: Serve) -> None:
+    client = await serve()
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
+    whole = await (await client.post("/v1/completions", json=body)).json()
+    assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] >= 1
+    response = await client.post("/v1/completions", json={**body, "stream": True})
+    events = sse_events(await response.text())
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
+    ("malformed json", b'{"model": ', 400, None, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    ("wrong type", chat(temperature="hot"), 400, "temperature", "temperature"),
+    ("missing messages", {"model": MODEL}, 400, "messages", "required"),
+    ("empty messages", chat() | {"messages": []}, 400, "messages", "at least 1"),
+    ("unknown role", chat() | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
+    ("max_tokens zero", chat(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
+    ("temperature too high", chat(temperature=3), 400, "temperature", "less than or equal to 2"),
+    ("n above one", chat(n=2), 400, "n", "n=1"),
+    ("unknown field", chat(frobnicate=True), 400, "frobnicate", "unknown field"),
+    ("unsupported penalty", chat(frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
+    ("prompt too long", chat("word " * 1200), 400, "messages", "context"),
+    ("prompt plus max_tokens too long", chat("hi", max_tokens=1020), 400, "max_tokens", "context"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, param, words", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS])
+async def test_bad_input_gets_a_clear_openai_error(
+    serve: Serve, name: str, body: Any, status: int, param: str | None, words: str
+) -> None:
+    client = await serve()
+    if isinstance(body, bytes):
+        response = await client.post("/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    else:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == status
+    assert response.headers["x-request-id"]
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert words.lower() in error["message"].lower()
+    if param is not None:
+        assert error["param"] == param
+
+
+async def test_errors_for_unknown_model_large_body_and_unknown_route(serve: Serve) -> None:
+    client = await serve(max_body_bytes=4096)
+    response = await client.post("/v1/chat/completions", json=chat(model="gpt-9"))
+    assert response.status == 404
+    assert (await response.json())["error"]["code"] == "model_not_found"
+    response = await client.post("/v1/chat/completions", json=chat("x" * 10_000))
+    assert response.status == 413
+    assert "larger than 4096 bytes" in (await response.json())["error"]["message"]
+    response = await client.get("/v1/nothing-here")
+    assert response.status == 404 and "error" in await response.json()
+
+
+async def test_the_server_stays_healthy_after_every_bad_input(serve: Serve) -> None:
+    client = await serve()
+    for _, body, *_ in BAD_REQUESTS:
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        await client.post("/v1/chat/completions", **kwargs)
+    assert (await client.get("/health")).status == 200
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status == 200
+    stats = engine_of(client).store.stats()
+    assert all(tier.corrupt == 0 for tier in stats)
+
+
+async def test_the_client_request_id_is_echoed(serve: Serve) -> None:
+    client = await serve()
+    response = await client.get("/health", headers={"x-request-id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+
+
+async def test_models_health_and_metrics(serve: Serve) -> None:
+    client = await serve()
+    models = await (await client.get("/v1/models")).json()
+    assert [model["id"] for model in models["data"]] == [MODEL]
+    await client.post("/v1/chat/completions", json=chat())
+    await client.post("/v1/chat/completions", json=chat())
+    metrics = await (await client.get("/metrics")).text()
+    assert "prefixgate_requests_total 2" in metrics
+    assert 'prefixgate_cached_tokens_total{tier="host"}' in metrics
+    assert 'prefixgate_time_to_first_token_seconds_bucket{le="+Inf"} 2' in metrics
+
+
+async def test_api_keys_map_to_tenants_that_never_share_blocks(serve: Serve) -> None:
+    client = await serve(api_keys={"key-a": "acme", "key-b": "globex"})
+    assert (await client.post("/v1/chat/completions", json=chat())).status == 401
+    bad = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer nope"})
+    assert bad.status == 401 and (await bad.json())["error"]["code"] == "invalid_api_key"
+
+    async def cached(key: str, **fields: Any) -> int:
+        response = await client.post(
+            "/v1/chat/completions", json=chat(**fields), headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status == 200
+        return int((await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached("key-a") == 0
+    assert await cached("key-a") > 0  # same tenant hits
+    assert await cached("key-b") == 0  # another tenant misses
+    assert await cached("key-a", cache_salt="project-x") == 0  # a salt splits one tenant's cache
+    assert await cached("key-a", cache_salt="project-x") > 0
+    assert (await client.get("/health")).status == 200  # health needs no key
+
+
+async def test_layout_moves_a_date_out_of_the_system_prompt_and_can_be_turned_off(serve: Serve) -> None:
+    client = await serve()
+
+    def dated(day: str, **fields: Any) -> dict[str, Any]:
+        body = chat(**fields)
+        body["messages"][0]["content"] = f"Today is 2026-11-{day}. " + SYSTEM
+        return body
+
+    first = await client.post("/v1/chat/completions", json=dated("28"))
+    assert first.headers["x-prefixgate-layout-moved"] == "date@0:9"
+    second = await client.post("/v1/chat/completions", json=dated("29"))
+    laid_out_hit = (await second.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert laid_out_hit > 24  # past the date, into the rest of the system prompt
+    await client.post("/v1/chat/completions", json=dated("28", layout=False))
+    off = await client.post("/v1/chat/completions", json=dated("30", layout=False))
+    assert "x-prefixgate-layout-moved" not in off.headers
+    # In place, the date splits the prefix: only the blocks before it can match.
+    assert (await off.json())["usage"]["prompt_tokens_details"]["cached_tokens"] <= 16
+
+
+async def test_a_client_that_leaves_mid_stream_stops_its_generation(serve: Serve, steps: list[Any]) -> None:
+    client = await serve()
+    body = chat("Tell me a long story", stream=True, max_tokens=400)
+    response = await client.post("/v1/chat/completions", json=body)
+    await response.content.readline()  # the role chunk is out: generation is running
+    response.close()  # the client goes away
+    await asyncio.sleep(0.3)
+    done = len(steps)
+    await asyncio.sleep(0.3)
+    assert len(steps) == done, "the model kept stepping after the client left"
+    assert done < 100
+    again = await (await client.post("/v1/chat/completions", json=chat("Tell me a long story"))).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its prompt blocks stayed cached
+
+
+async def test_an_error_after_streaming_began_is_an_sse_error_event(serve: Serve) -> None:
+    client = await serve()
+    response = await client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=400))
+    await response.content.readline()
+    await engine_of(client).backend.aclose()  # the model goes away mid-stream
+    events = sse_events((await response.content.read()).decode().split("\n", 1)[1].lstrip("\n"))
+    errors = [json.loads(data) for event, data in events if event == "error"]
+    assert len(errors) == 1 and errors[0]["error"]["message"]
+    assert events[-1] == (None, "[DONE]")
+
+
+async def test_health_is_reachable_before_any_request(serve: Serve) -> None:
+    client: TestClient[Any, Any] = await serve()
+    body = await (await client.get("/health")).json()
+    assert body == {"status": "ok", "model": MODEL, "prefix_reuse": True}

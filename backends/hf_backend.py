@@ -19,6 +19,7 @@ from prefixgate.errors import (
     UnsupportedModelError,
 )
 
+from . import attention
 from .backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
 from .fingerprint import model_fingerprint, tokenizer_hash
 from .generation_job import Decoding, GenerationJob, JobPlan
@@ -61,6 +62,8 @@ class HFBackend:
         if prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be at least 1 token, got {prefill_chunk_tokens}")
         model.eval()  # type: ignore[no-untyped-call]
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(attention.NAME)  # the same SDPA, without a copy of K and V on the CPU
         self.model_id = model_id
         self.context_length = context_length or _context_length(model, tokenizer)
         self.geometry: KVGeometry = geometry_from_config(model.config, model.dtype, block_size)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -82,10 +81,45 @@ def build_cache(blocks: Sequence[torch.Tensor], config: PretrainedConfig, device
     """Build a DynamicCache holding the K and V of `blocks` (block 0 first), on `device`."""
     if not blocks:
         return DynamicCache(config=config)
-    kv = torch.cat([b.to(device, non_blocking=True) for b in blocks], dim=3)  # kv: [layers, 2, kv_heads, T, head_dim]
-    # DynamicCache takes per-layer (keys, values), each [batch, kv_heads, T, head_dim]; same call on 5.23 and 5.24.
-    per_layer: list[tuple[Any, ...]] = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])]
-    return DynamicCache(per_layer, config=config)
+    kv = _joined_in_place(blocks, device)
+    if kv is None:
+        kv = torch.cat(
+            [b.to(device, non_blocking=True) for b in blocks], dim=3
+        )  # kv: [layers, 2, kv_heads, T, head_dim]
+    cache = DynamicCache(config=config)
+    assert len(cache.layers) == kv.shape[0], "one cache layer per block layer"
+    for index, layer in enumerate(cache.layers):
+        assert isinstance(layer, DynamicLayer), "only plain KV layers are restored from blocks"
+        keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)  # each: [1, kv_heads, T, head_dim]
+        if type(layer) is DynamicLayer:
+            # Set rather than update(): update() appends to an empty tensor, which copies the whole prefix once
+            # more. The first forward pass appends the new tokens by concatenation, so these views stay unwritten.
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:
+            layer.update(keys, values)  # a subclass (a sliding window) keeps bookkeeping that update() maintains
+    return cache
+
+
+def _joined_in_place(blocks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Return the blocks as one tensor without copying when they are consecutive slices of one, else None.
+
+    A store that assembles a prefix in one tensor hands its blocks over as such slices; joining them with cat
+    would copy a multi-megabyte prefix a second time on the path to the first token.
+    """
+    first = blocks[0]
+    size = first.shape[3]
+    step = first.stride(3) * size  # elements between the starts of two consecutive blocks
+    for index, block in enumerate(blocks):
+        if (
+            block.device != device
+            or block.stride() != first.stride()
+            or block.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or block.storage_offset() != first.storage_offset() + index * step
+        ):
+            return None
+    shape = (*first.shape[:3], size * len(blocks), first.shape[4])
+    return first.as_strided(shape, first.stride())  # kv: [layers, 2, kv_heads, T, head_dim]
 
 
 def cut_block(cache: DynamicCache, start: int, stop: int) -> torch.Tensor:

@@ -88,8 +88,13 @@ def read_header(value: bytes | memoryview) -> tuple[BlockHeader, int]:
     return header, start + length
 
 
-def decode(key: BlockKey, value: bytes | memoryview, layout: BlockLayout) -> tuple[Block, BlockHeader]:
-    """Return the verified block stored in `value`; raise CorruptBlockError when anything does not match."""
+def decode(
+    key: BlockKey, value: bytes | memoryview, layout: BlockLayout, out: torch.Tensor | None = None
+) -> tuple[Block, BlockHeader]:
+    """Return the verified block stored in `value` (its tensor copied into `out` when given).
+
+    Raise CorruptBlockError when anything does not match.
+    """
     header, offset = read_header(value)
     if header.shape != layout.shape or header.dtype != layout.dtype_name:
         raise CorruptBlockError(f"block is {header.shape} {header.dtype}, expected {layout.shape} {layout.dtype_name}")
@@ -104,6 +109,8 @@ def decode(key: BlockKey, value: bytes | memoryview, layout: BlockLayout) -> tup
         raise CorruptBlockError("checksum mismatch")
     data = torch.frombuffer(owned, dtype=torch.uint8)
     kv = data.view(dtype_from_name(header.dtype)).reshape(header.shape)  # kv: [layers, 2, kv_heads, block, head_dim]
+    if out is not None:
+        kv = out.copy_(kv)
     block = Block(key, header.tokens, kv, parent=header.parent, tenant=header.tenant, created=header.created)
     return block, header
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lmdb
+import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
@@ -105,7 +106,7 @@ class LMDBTier(Tier):
                 return True
         return self._adopt(key) is not None
 
-    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+    def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
         with self._lock:
             pending = self._pending.get(key)
         if isinstance(pending, _Delete):
@@ -116,14 +117,14 @@ class LMDBTier(Tier):
                 self._drop_corrupt(key, "tokens differ")
                 return None
             self.touch(key)
-            return replace(block, kv=block.kv.clone())
+            return replace(block, kv=block.kv.clone() if out is None else out.copy_(block.kv))
         try:
             with self._begin() as txn:
                 value = txn.get(key.digest)
                 if value is None:
                     self._forget(key)  # removed by another process
                     return None
-                block, header = decode(key, value, self.layout)
+                block, header = decode(key, value, self.layout, out)
         except CorruptBlockError as error:
             self._drop_corrupt(key, str(error))
             return None

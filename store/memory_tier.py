@@ -59,7 +59,7 @@ class MemoryTier(Tier):
     def contains(self, key: BlockKey) -> bool:
         return key in self._slots
 
-    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+    def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
         slot = self._slots.get(key)
         if slot is None:
             return None
@@ -70,7 +70,8 @@ class MemoryTier(Tier):
             return None
         self.policy.touch(key)
         block = slot.block
-        return Block(block.key, block.tokens, block.kv.clone(), block.parent, block.tenant, block.created)
+        kv = block.kv.clone() if out is None else out.copy_(block.kv, non_blocking=out.is_cuda and block.kv.is_pinned())
+        return Block(block.key, block.tokens, kv, block.parent, block.tenant, block.created)
 
     def peek(self, key: BlockKey) -> Block | None:
         slot = self._slots.get(key)

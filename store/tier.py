@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import cast
 
+import torch
+
 from prefixgate.policies import Policy
 from prefixgate.store.block import Block, BlockLayout
 from prefixgate.store.keys import BlockKey
@@ -135,10 +137,12 @@ class Tier(ABC):
         """Return whether the block is held (without verifying it)."""
 
     @abstractmethod
-    def get(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
-        """Return a standalone copy of the block if held and verified against `tokens`, else None.
+    def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
+        """Return a copy of the block if held and verified against `tokens`, else None.
 
-        A held block that fails verification is removed and counted as corrupt.
+        The copy is written into `out` when given (a block-shaped tensor, possibly a view into a larger one), so a
+        prefix can be assembled in place with one copy per block. A held block that fails verification is
+        removed and counted as corrupt.
         """
 
     @abstractmethod

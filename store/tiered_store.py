@@ -91,6 +91,7 @@ class TieredStore:
         tiers: Sequence[Tier],
         *,
         secret: bytes,
+        device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
@@ -100,6 +101,7 @@ class TieredStore:
             raise RuntimeError(f"all tiers must share one block layout, got {layouts}")
         self.layout = tiers[0].layout
         self.tiers = tuple(tiers)
+        self.device = torch.device(device)  # where fetched prefixes land: the model's device
         self._secret = secret
         self._clock = clock
         self._lock = threading.RLock()
@@ -147,7 +149,7 @@ class TieredStore:
             secret = os.urandom(32)  # nothing outlives the process, so neither does the secret
         if not tiers:
             raise StoreError("every tier has a zero budget; give at least one tier some bytes")
-        return cls(tiers, secret=secret, clock=clock)
+        return cls(tiers, secret=secret, device=device, clock=clock)
 
     # -- keys and lookups ---------------------------------------------------------------------------------------
 
@@ -182,8 +184,15 @@ class TieredStore:
         keys = self.reusable_keys(namespace, tokens)
         blocks: list[Block] = []
         tiers: list[str] = []
+        # The prefix is assembled in one tensor on the model's device, one copy per block: each block's tensor is a
+        # view into it, and a backend loads consecutive views without copying them again.
+        layers, two, heads, _, head_dim = self.layout.shape
+        prefix = torch.empty(
+            (layers, two, heads, len(keys) * size, head_dim), dtype=self.layout.dtype, device=self.device
+        )  # prefix: [layers, 2, kv_heads, tokens, head_dim]
         for index, key in enumerate(keys):
-            found = self._get(key, tokens[index * size : (index + 1) * size])
+            out = prefix[:, :, :, index * size : (index + 1) * size]
+            found = self._get(key, tokens[index * size : (index + 1) * size], out)
             if found is None:
                 break
             blocks.append(found[0])
@@ -316,15 +325,15 @@ class TieredStore:
             return self._disk
         return None
 
-    def _get(self, key: BlockKey, tokens: Sequence[int]) -> tuple[Block, Tier] | None:
-        """Return a verified copy of the block and the tier it came from, counting hits and misses."""
+    def _get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor) -> tuple[Block, Tier] | None:
+        """Copy the verified block into `out`; return it and the tier it came from, counting hits and misses."""
         missed: list[Tier] = []
         for level, tier in enumerate(self.tiers):
             if tier.persistent:
-                block = tier.get(key, tokens)  # a disk read: outside the lock
+                block = tier.get(key, tokens, out)  # a disk read: outside the lock
             else:
                 with self._lock:
-                    block = tier.get(key, tokens)
+                    block = tier.get(key, tokens, out)
             if block is None:
                 missed.append(tier)
                 continue

@@ -25,9 +25,8 @@ def test_geometry_describes_the_tiny_llama_blocks(make_backend: BackendFactory) 
     assert isinstance(backend, Backend)
 
 
-def test_models_with_different_weights_have_different_fingerprints(
-    tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel
-) -> None:
+def test_models_with_different_weights_have_different_fingerprints(tokenizer: PreTrainedTokenizerFast) -> None:
+    llama = make_llama(tokenizer, seed=0)
     same = make_llama(tokenizer, seed=0)
     other = make_llama(tokenizer, seed=1)
     assert model_fingerprint(same) == model_fingerprint(llama)

@@ -1,0 +1,154 @@
+"""Time to first token on SmolLM2 for a shared prefix followed by a 32-token question.
+
+Run by hand: `.venv/bin/python benchmarks/ttft_bench.py` (add `--lengths 512 2048` for a quick run). For each
+prefix length it measures, in one run:
+- cold: nothing cached, the whole prompt is computed (in the backend's prefill chunks);
+- warm from each tier: the prefix's blocks fetched from a store holding them only in that tier (device, host or
+  disk; on a machine without a GPU the device tier is a pool in CPU memory, and disk reads come from the page
+  cache), then only the question computed;
+- ideal: the prefix's cache object kept in memory and reused directly, no store: the floor for any cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from prefixgate.backends import HFBackend, SamplingParams
+from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
+
+QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+TIERS = ("device", "host", "disk")
+
+
+def document_tokens(backend: HFBackend, count: int) -> list[int]:
+    """Return `count` tokens of a long, varied, deterministic document."""
+    paragraphs = [
+        f"Section {i}. In quarter {i % 4 + 1} the team measured {i * 37 % 101} requests per second on node "
+        f"{i % 13}, and noted that cache hit rate {i * 7 % 100} percent followed change number {i * 11}."
+        for i in range(2000)
+    ]
+    tokens = backend.render_text("\n".join(paragraphs))
+    assert len(tokens) >= count, "the document is too short for this prefix length"
+    return tokens[:count]
+
+
+async def first_token_seconds(backend: HFBackend, tokens: Sequence[int], blocks: Sequence[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    stream = backend.generate(tokens, blocks, FIRST_TOKEN)
+    await anext(stream)
+    seconds = time.perf_counter() - start
+    await stream.aclose()
+    return seconds
+
+
+def open_store(tier: str, folder: Path, layout: BlockLayout, nbytes: int) -> TieredStore:
+    budgets = {name: (nbytes if name == tier else 0) for name in TIERS}
+    config = StoreConfig(TierConfig(budgets["device"]), TierConfig(budgets["host"]), TierConfig(budgets["disk"]))
+    return TieredStore.open(folder / tier, layout, config)
+
+
+async def measure(backend: HFBackend, length: int, question: list[int], repeats: int) -> dict[str, float]:
+    prefix = document_tokens(backend, length)
+    tokens = prefix + question
+    geometry = backend.geometry
+    blocks: dict[int, torch.Tensor] = {}
+
+    def keep(index: int, block_tokens: Sequence[int], kv: torch.Tensor) -> None:
+        blocks[index] = kv
+
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    stream = backend.generate(tokens, [], FIRST_TOKEN, on_block=keep)
+    await anext(stream)
+    times["cold"] = time.perf_counter() - start
+    await stream.aclose()
+
+    layout = BlockLayout(geometry.block_shape, geometry.dtype)
+    namespace = Namespace(backend.fingerprint, backend.tokenizer_hash, layout.dtype_name, layout.shape)
+    size = geometry.block_size
+    count = length // size
+    with tempfile.TemporaryDirectory() as folder:
+        for tier in TIERS:
+            with open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes) as store:
+                keys = chain_keys(store.seed(namespace), tokens, size)
+                parents = [None, *keys]
+                store.put(
+                    [
+                        Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i])
+                        for i in range(count)
+                    ]
+                )
+                store.wait_for_disk()
+                samples = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    hit = await asyncio.to_thread(store.fetch, namespace, tokens)
+                    assert hit.tiers == (tier,) * count, hit.tiers
+                    await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks])
+                    samples.append(time.perf_counter() - start)
+                times[tier] = statistics.median(samples)
+
+    # The ideal: the prefix's cache object, computed once and reused as it is; only the question is computed.
+    runner = ModelRunner(backend._model)
+    cache = DynamicCache(config=runner.config)
+    with torch.inference_mode():
+        for begin in range(0, length, 512):
+            runner.forward(prefix[begin : begin + 512], cache)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            int(runner.forward(question, cache).argmax())
+            samples.append(time.perf_counter() - start)
+            cache.crop(-len(question))  # back to the prefix alone
+    times["ideal"] = statistics.median(samples)
+    return times
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8128])
+    parser.add_argument("--repeats", type=int, default=5, help="warm and ideal runs per cell (median)")
+    args = parser.parse_args()
+    backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
+    try:
+        question = backend.render_text(QUESTION)[:32]
+        question += question[: 32 - len(question)]
+        assert len(question) == 32
+        await first_token_seconds(backend, backend.render_text("warm up the kernels"), [])
+        print(
+            f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {torch.get_num_threads()} threads; "
+            f"blocks of {backend.geometry.block_size} tokens; prompt = prefix + 32-token question; "
+            f"median of {args.repeats} warm runs"
+        )
+        header = ["prefix", "cold", *(f"warm {t}" for t in TIERS), "ideal", "cold/warm host", "warm host/ideal"]
+        rows = []
+        for length in args.lengths:
+            t = await measure(backend, length, question, args.repeats)
+            rows.append(
+                [
+                    str(length),
+                    *(f"{t[name] * 1e3:.0f} ms" for name in ("cold", *TIERS, "ideal")),
+                    f"{t['cold'] / t['host']:.1f}x",
+                    f"{t['host'] / t['ideal']:.2f}x",
+                ]
+            )
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, ["-" * w for w in widths], *rows]:
+            print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    finally:
+        await backend.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

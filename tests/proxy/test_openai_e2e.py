@@ -1,0 +1,171 @@
+"""End to end: `prefixgate serve` on the real SmolLM2, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.smollm2
+
+MODEL = "smollm2-135m"
+MANUAL = "You are the support assistant for the Acme 3000 espresso machine. Answer from this manual.\n" + "\n".join(
+    f"Section {i}: step {i} of the cleaning routine uses {i * 10} ml of water at {60 + i % 30} degrees."
+    for i in range(1, 61)
+)
+
+
+class Server:
+    """A `prefixgate serve` process on a free local port."""
+
+    def __init__(self, store: Path, *flags: str) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--port", str(self.port)]
+        env = {key: value for key, value in os.environ.items() if not key.startswith("PREFIXGATE_")}
+        self.process = subprocess.Popen(
+            [*command, "--store", str(store), *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 180  # the first start on a machine converts the model (~30 s)
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=1)
+                return
+            except OSError:
+                time.sleep(0.25)
+        raise AssertionError(f"the server did not start:\n{self.output()}")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def metrics(self) -> str:
+        return urllib.request.urlopen(f"{self.url}/metrics").read().decode()
+
+    def stop(self) -> None:
+        """Stop as an operator would (Ctrl-C): the app closes the store, finishing its disk writes."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(timeout=60)
+
+    def output(self) -> str:
+        self.stop()
+        assert self.process.stdout is not None
+        return self.process.stdout.read().decode(errors="replace")
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def start(*flags: str) -> Server:
+        server = Server(tmp_path / "store", *flags)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def ask(client: openai.OpenAI, question: str, system: str = MANUAL) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=24,
+        temperature=0,
+    )
+
+
+def test_chat_and_completions_streaming_and_not(start_server: Callable[..., Server]) -> None:
+    client = start_server().client()
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20,
+        temperature=0,
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage is not None
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == completion.choices[0].text
+
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5)
+
+
+def test_a_shared_long_system_prompt_is_served_from_cache_with_the_same_answer(
+    start_server: Callable[..., Server],
+) -> None:
+    client = start_server().client()
+    first = ask(client, "How much water does step 3 use?")
+    second = ask(client, "How much water does step 3 use?")
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens > 1000
+    assert first.usage.prompt_tokens_details is not None and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= 1000
+    assert second.choices[0].message.content == first.choices[0].message.content
+    other = ask(client, "What temperature does step 7 need?")  # same manual, another question: still a hit
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert other.usage.prompt_tokens_details.cached_tokens >= 1000
+
+
+def test_a_restarted_server_serves_the_prefix_from_disk(start_server: Callable[..., Server]) -> None:
+    first_server = start_server()
+    first = ask(first_server.client(), "How much water does step 5 use?")
+    first_server.stop()
+
+    second_server = start_server()
+    again = ask(second_server.client(), "How much water does step 5 use?")
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= 1000
+    assert again.choices[0].message.content == first.choices[0].message.content
+    disk_tokens = next(
+        line
+        for line in second_server.metrics().splitlines()
+        if line.startswith('prefixgate_cached_tokens_total{tier="disk"}')
+    )
+    assert int(disk_tokens.split()[-1]) >= 1000
+
+
+def test_the_openai_client_example_shows_cached_tokens(start_server: Callable[..., Server]) -> None:
+    server = start_server()
+    example = Path(__file__).parents[2] / "examples" / "openai_client.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--base-url", f"{server.url}/v1"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    cached = [int(line.split(", ")[1].split()[0]) for line in result.stdout.splitlines() if "from the cache" in line]
+    assert cached[0] == 0 and cached[1] >= 1000

@@ -1,0 +1,81 @@
+"""Settings: flags over environment over file over defaults, validated with messages that say what to change."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from prefixgate.errors import ConfigError
+from prefixgate.proxy.cli import main
+from prefixgate.proxy.settings import load_settings
+
+CONFIG = """
+store = "/var/lib/prefixgate"
+host_budget = "16GiB"
+policy = "lru+ttl"
+idle_ttl = 86400
+port = 9000
+api_keys = { "sk-team-a" = "team-a", "sk-team-b" = "team-b" }
+"""
+
+
+def test_defaults_serve_the_embedded_model_on_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in os.environ if name.startswith("PREFIXGATE_")]:
+        monkeypatch.delenv(name)
+    settings = load_settings()
+    assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, "smollm2-135m")
+    assert settings.api_keys == {} and settings.admin_key is None
+
+
+def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "prefixgate.toml"
+    config.write_text(CONFIG)
+    from_file = load_settings(config)
+    assert from_file.store == Path("/var/lib/prefixgate") and from_file.host_budget == 16 << 30
+    assert from_file.api_keys == {"sk-team-a": "team-a", "sk-team-b": "team-b"}
+    assert (from_file.policy, from_file.idle_ttl, from_file.port) == ("lru+ttl", 86400, 9000)
+    monkeypatch.setenv("PREFIXGATE_PORT", "9100")
+    monkeypatch.setenv("PREFIXGATE_HOST_BUDGET", "1GiB")
+    from_env = load_settings(config)
+    assert (from_env.port, from_env.host_budget, from_env.policy) == (9100, 1 << 30, "lru+ttl")
+    assert load_settings(config, port="9200").port == 9200
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"port": "0"}, "port"),
+        ({"policy": "lfu"}, "choose one of: fifo, lru, lru+ttl, ttl"),
+        ({"host_budget": "lots"}, "host_budget"),
+        ({"block_size": "-4"}, "block_size"),
+        ({"ttl": "0"}, "ttl"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"frobnicate": "1"}, "frobnicate"),
+    ],
+)
+def test_bad_settings_name_themselves(overrides: dict[str, str], words: str) -> None:
+    with pytest.raises(ConfigError, match="bad settings") as error:
+        load_settings(**overrides)
+    assert words in str(error.value)
+
+
+def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_the_cli_reports_bad_settings_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--policy", "lfu"]) == 2
+    assert "unknown policy 'lfu'" in capsys.readouterr().err
+    assert main(["serve", "--api-key", "no-equals-sign"]) == 2
+    assert "--api-key takes KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--host-budget", "--api-key", "--admin-key", "--layout-pattern", "--no-layout", "--config"):
+        assert flag in text

@@ -8,10 +8,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
 from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
@@ -27,7 +27,6 @@ ENGINE = web.AppKey("engine", Engine)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
-_Body = TypeVar("_Body", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 EngineFactory = Callable[[Settings], Awaitable[Engine]]
 
@@ -89,6 +88,10 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    # Imported here, not at the top: the admin app builds on this module's keys, so it imports this module.
+    from prefixgate.proxy.admin import add_admin
+
+    add_admin(app)
     return app
 
 
@@ -97,12 +100,12 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    return await _generate(request, await _parse(request, api.ChatCompletionRequest), chat=True)
+    return await _generate(request, api.parse_json(await request.read(), api.ChatCompletionRequest), chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    return await _generate(request, await _parse(request, api.CompletionRequest), chat=False)
+    return await _generate(request, api.parse_json(await request.read(), api.CompletionRequest), chat=False)
 
 
 async def _generate(
@@ -216,17 +219,6 @@ def _headers(generation: Generation) -> dict[str, str]:
 
 
 # -- parsing and the edge -----------------------------------------------------------------------------------------
-
-
-async def _parse(request: web.Request, model: type[_Body]) -> _Body:
-    raw = await request.read()  # raises 413 past client_max_size
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    return model.model_validate(data)
 
 
 def _engine_for(request: web.Request, model: str) -> Engine:

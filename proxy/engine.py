@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from prefixgate.proxy.canonicalize import (
     canonicalize_text,
     canonicalize_tools,
 )
+from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.statistics import EngineStats
 from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
@@ -79,6 +80,15 @@ class Completion:
     finish_reason: str
     usage: Usage
     moved: tuple[MovedValue, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    """What warming a prompt did: how long it is, how much of it was computed, how much is now cached."""
+
+    prompt_tokens: int
+    computed_tokens: int  # prompt tokens the model computed now; the rest of the full blocks were cached already
+    cached_tokens: int  # prompt tokens a request with this prompt would now be served from the cache
 
 
 class Engine:
@@ -176,6 +186,40 @@ class Engine:
             text = "".join([chunk.text async for chunk in generation])
         return Completion(
             generation.request_id, text, generation.finish_reason or "stop", generation.usage(), generation.moved
+        )
+
+    async def warm(self, request: PromptRequest, *, pinned: bool = False, ttl: float | None = None) -> WarmResult:
+        """Compute and store every full block of the prompt without generating; `pinned` and `ttl` apply to all."""
+        prepared = await self.prepare(request)
+        hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+        computed: list[Block] = []
+
+        def on_block(index: int, tokens: Sequence[int], kv: torch.Tensor) -> None:
+            # Runs on the model's thread; the blocks are stored together once the prefill is done.
+            parent = prepared.keys[index - 1] if index else None
+            computed.append(Block(prepared.keys[index], tuple(tokens), kv, parent=parent, tenant=prepared.tenant))
+
+        computed_tokens = await self.backend.prefill(prepared.token_ids, [block.kv for block in hit.blocks], on_block)
+        blocks = computed
+        if pinned or ttl is not None:
+            # Blocks cached already take the new attributes too; a ttl counts from now, not from their creation.
+            # Their tensors are views into the fetched prefix, which the disk writer must not share: copy them.
+            blocks = [
+                replace(block, kv=block.kv.clone(), created=0.0 if ttl is not None else block.created)  # 0: stamp now
+                for block in hit.blocks
+            ] + computed
+        if blocks:
+            await asyncio.to_thread(self.store.put, blocks, pinned=pinned, ttl=ttl)
+        match = await asyncio.to_thread(self.store.lookup, prepared.namespace, prepared.token_ids)
+        return WarmResult(len(prepared.token_ids), computed_tokens, match.cached_tokens)
+
+    async def explain(self, request: PromptRequest) -> Explanation:
+        """Dry-run a request: how it is laid out, what of it is cached where, and why the rest is not."""
+        prepared = await self.prepare(request)
+        layout = request.messages is not None and request.layout and self._layout
+        canonical = canonicalize_messages(request.messages, self._rules) if request.messages is not None else None
+        return await asyncio.to_thread(
+            explain_prompt, self.store, self.backend, prepared, request.messages, canonical, self._patterns, layout
         )
 
     async def close(self) -> None:
@@ -284,7 +328,9 @@ class Generation:
         """Compute up to the first token, so errors come before any response is sent."""
         self._first = await anext(self._stream)
         self.time_to_first_token = time.perf_counter() - self._started
-        self.engine.stats.count_request(self.prompt_tokens, self.hit.tokens_by_tier, self.time_to_first_token)
+        self.engine.stats.count_request(
+            self.prompt_tokens, self.hit.tokens_by_tier, self.time_to_first_token, tenant=self.prepared.tenant
+        )
 
     def __aiter__(self) -> Generation:
         return self

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
 from prefixgate.proxy.engine import PromptRequest, Usage
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 # What an unset max_tokens means: OpenAI runs to the context's end; a CPU proxy stops earlier, and says so in /docs.
 DEFAULT_MAX_TOKENS = 512
@@ -194,6 +197,17 @@ class CompletionRequest(_Generation):
             cache_salt=self.cache_salt,
             layout=self.layout,
         )
+
+
+def parse_json(raw: bytes, model: type[_Body]) -> _Body:
+    """Return a JSON request body validated as `model`; raise RequestError when it is not a JSON object."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    return model.model_validate(data)
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -73,6 +74,20 @@ class Settings(BaseSettings):
         if value not in policy_names():
             raise ValueError(f"unknown policy {value!r}; choose one of: {', '.join(policy_names())}")
         return value
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("the admin key must not be empty; leave it unset to turn /admin off")
+        return value
+
+    @model_validator(mode="after")
+    def _admin_key_is_no_api_key(self) -> Settings:
+        # An API key that also opened /admin would hand every tenant the whole cache, every tenant's included.
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise ValueError("admin_key is also an API key; give /admin a key of its own")
+        return self
 
     @field_validator("store", mode="before")
     @classmethod

@@ -13,6 +13,15 @@ from prefixgate.store import TierStats
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's request and token counts since the engine started."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache: prefill saved
+
+
 @dataclass
 class EngineStats:
     """Counts of requests, tokens and cache hits since the engine started; safe to update from any thread."""
@@ -24,12 +33,21 @@ class EngineStats:
     cached_tokens: dict[str, int] = field(default_factory=dict)  # per tier
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def count_request(self, prompt_tokens: int, cached_by_tier: dict[str, int], ttft: float) -> None:
-        """Count a request that produced its first token."""
+    def count_request(
+        self, prompt_tokens: int, cached_by_tier: dict[str, int], ttft: float, *, tenant: str = ""
+    ) -> None:
+        """Count a request that produced its first token, for the totals and for its tenant."""
         with self._lock:
             self.requests += 1
+            counts = self.tenants.get(tenant, TenantStats())
+            self.tenants[tenant] = TenantStats(
+                counts.requests + 1,
+                counts.prompt_tokens + prompt_tokens,
+                counts.cached_tokens + sum(cached_by_tier.values()),
+            )
             self.prompt_tokens += prompt_tokens
             for tier, tokens in cached_by_tier.items():
                 self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + tokens
@@ -45,6 +63,18 @@ class EngineStats:
         """Count a request that failed before its first token."""
         with self._lock:
             self.errors += 1
+
+    def snapshot(self) -> EngineStatsSnapshot:
+        """Return a consistent copy of the counts the admin endpoint reports."""
+        with self._lock:
+            return EngineStatsSnapshot(
+                requests=self.requests,
+                errors=self.errors,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                cached_tokens=dict(self.cached_tokens),
+                tenants=dict(self.tenants),
+            )
 
     def prometheus(self, tiers: Sequence[TierStats]) -> str:
         """Return the statistics, and the store's, in Prometheus text exposition format."""
@@ -86,6 +116,23 @@ class EngineStats:
             ]
             lines += [f'prefixgate_store_{counter}_total{{tier="{t.name}"}} {getattr(t, counter)}' for t in tiers]
         return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatsSnapshot:
+    """The engine's counts at one moment, read under one lock so they agree with each other."""
+
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: dict[str, int]  # per tier
+    tenants: dict[str, TenantStats]
+
+    @property
+    def cached_total(self) -> int:
+        """Return the prompt tokens served from the cache, over all tiers."""
+        return sum(self.cached_tokens.values())
 
 
 def _counter(name: str, help_text: str, value: int) -> list[str]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypedDict
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypedDict, Unpack
 
 from pydantic import TypeAdapter, ValidationError
-from typing_extensions import Unpack
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from prefixgate.backends import Backend, SamplingParams, TokenChunk
+from prefixgate.backends import Backend, BlockCallback, SamplingParams, TokenChunk
 from prefixgate.errors import RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -261,7 +261,7 @@ class Engine:
             if future is not None and not future.done():
                 future.set_result(None)
 
-    def _block_filer(self, prepared: PreparedPrompt, loop: asyncio.AbstractEventLoop) -> Any:
+    def _block_filer(self, prepared: PreparedPrompt, loop: asyncio.AbstractEventLoop) -> BlockCallback:
         """Return the callback that keys each completed block and files it into the store."""
         keys = list(prepared.keys)
         block_size = self.backend.geometry.block_size

@@ -14,9 +14,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, overload
-
-from typing_extensions import Unpack
+from typing import Any, ParamSpec, TypeVar, Unpack, overload
 
 from prefixgate.proxy.decorator import (
     AsyncCachedFunction,

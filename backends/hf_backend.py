@@ -130,6 +130,11 @@ class HFBackend:
                 f"model {self.model_id!r} has no chat template; send a plain prompt to the completions API instead",
                 param="messages",
             )
+        if tools and "tools" not in self._tokenizer.chat_template:
+            # Rendering would drop them without a word, and the model would answer as if it had no tools.
+            raise RequestError(
+                f"model {self.model_id!r}'s chat template does not render tools; leave tools out", param="tools"
+            )
         tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
         try:
             encoded = self._tokenizer.apply_chat_template(

@@ -122,6 +122,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("n above one", chat(n=2), 400, "n", "n=1"),
     ("unknown field", chat(frobnicate=True), 400, "frobnicate", "unknown field"),
     ("unsupported penalty", chat(frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
+    (
+        "tools the chat template cannot render",
+        chat(tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
+        400,
+        "tools",
+        "does not render tools",
+    ),
     ("prompt too long", chat("word " * 1200), 400, "messages", "context"),
     ("prompt plus max_tokens too long", chat("hi", max_tokens=1020), 400, "max_tokens", "context"),
 ]

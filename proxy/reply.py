@@ -43,7 +43,20 @@ class Reply:
         return self.text
 
 
-class ReplyStream:
+class _Streamed:
+    """What both stream kinds share: the whole reply, known once the text has all arrived."""
+
+    _reply: Reply | None
+
+    @property
+    def reply(self) -> Reply:
+        """Return the whole result; only once the stream is exhausted."""
+        if self._reply is None:
+            raise RuntimeError("the reply is known once the stream is exhausted; iterate it to the end first")
+        return self._reply
+
+
+class ReplyStream(_Streamed):
     """Iterate the text of one reply as it is generated; `reply` holds the whole result once iteration ends.
 
     The request starts with the first `next()`; leave early with `close()` or a `with` block, which stops the model.
@@ -54,13 +67,6 @@ class ReplyStream:
         self._pieces = pieces
         self._reply: Reply | None = None
         self._closed = False
-
-    @property
-    def reply(self) -> Reply:
-        """Return the whole result; only once the stream is exhausted."""
-        if self._reply is None:
-            raise RuntimeError("the reply is known once the stream is exhausted; iterate it to the end first")
-        return self._reply
 
     def __iter__(self) -> ReplyStream:
         return self
@@ -98,7 +104,7 @@ class ReplyStream:
         return asyncio.run_coroutine_threadsafe(coroutine, _open(self._loop, coroutine)).result()
 
 
-class AsyncReplyStream:
+class AsyncReplyStream(_Streamed):
     """Iterate, with `async for`, the text of one reply as it is generated; `reply` holds the whole result at the end.
 
     The request starts with the first `anext()`; leave early with `aclose()` or `async with`, which stops the model.
@@ -110,13 +116,6 @@ class AsyncReplyStream:
         self._pieces: Pieces | None = None
         self._reply: Reply | None = None
         self._closed = False
-
-    @property
-    def reply(self) -> Reply:
-        """Return the whole result; only once the stream is exhausted."""
-        if self._reply is None:
-            raise RuntimeError("the reply is known once the stream is exhausted; iterate it to the end first")
-        return self._reply
 
     def __aiter__(self) -> AsyncReplyStream:
         return self

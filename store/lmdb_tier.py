@@ -109,6 +109,8 @@ class LMDBTier(Tier):
     def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
         with self._lock:
             pending = self._pending.get(key)
+            if pending is None and self._clears_pending:
+                return None  # what is on disk is being cleared
         if isinstance(pending, _Delete):
             return None
         if pending is not None:

@@ -88,6 +88,23 @@ while True:
 """
 
 
+def test_a_clear_still_queued_for_the_writer_already_hides_what_is_on_disk(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, 100)
+    old, new = big_blocks(2)
+    tier.put(old)
+    tier.flush()
+    with tier._env.begin(write=True):  # holds LMDB's write lock: the writer cannot commit the clear yet
+        assert tier.clear() == 1
+        tier.put(new)
+        assert tier.get(old.key, old.tokens) is None
+        assert not tier.contains(old.key)
+        assert tier.get(new.key, new.tokens) is not None  # written after the clear, still pending
+    tier.flush()
+    assert tier.get(old.key, old.tokens) is None
+    assert tier.keys() == [new.key]
+    tier.close()
+
+
 def test_sigkill_during_writes_leaves_only_whole_verified_blocks(tmp_path: Path) -> None:
     from prefixgate.store import TieredStore
     from tests.store.conftest import LAYOUT, config, make_namespace

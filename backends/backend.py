@@ -119,6 +119,14 @@ class Backend(Protocol):
         """Turn token ids back into text, leaving out special tokens."""
         ...
 
+    def kv_buffer(self, prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
+        """Lend a buffer to fetch a prompt's cached prefix into (`TieredStore.fetch(..., out=)`); None without reuse.
+
+        Blocks passed to generate() or prefill() as the buffer's leading slices are used in place, with no further
+        copy: from then on the buffer is that request's cache, and the caller must neither read nor write it.
+        """
+        ...
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from .backend import BlockCallback, TokenChunk
+from .kv_buffers import KVBuffers
 from .kv_cache import build_cache, cut_block
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -51,6 +52,7 @@ class JobPlan:
     cached_blocks: Sequence[torch.Tensor]  # the blocks to load; already checked and trimmed
     known_blocks: int  # blocks the caller already has (passed in), never handed back again
     prefill_end: int  # prompt tokens to have in the cache when prefill ends
+    capacity: int  # tokens to make room for at first (the cache grows past it when it must)
     block_size: int
     chunk_tokens: int
 
@@ -62,6 +64,7 @@ class GenerationJob:
         self,
         job_id: int,
         runner: ModelRunner,
+        buffers: KVBuffers | None,
         plan: JobPlan,
         consumer: JobConsumer,
         *,
@@ -70,6 +73,7 @@ class GenerationJob:
     ) -> None:
         self.job_id = job_id
         self._runner = runner
+        self._buffers = buffers
         self._plan = plan
         self._consumer = consumer
         self._decoding = decoding
@@ -80,6 +84,7 @@ class GenerationJob:
         self._pos = self._start  # tokens whose K and V are in the cache
         self._next_block = len(plan.cached_blocks)
         self._cache: DynamicCache | None = None
+        self._buffer: torch.Tensor | None = None  # where the cache lives, until release()
         self._generated = 0
         self._outbox: TokenChunk | int | None = None  # the last step's result, until publish()
         self._finished = False
@@ -102,7 +107,11 @@ class GenerationJob:
     def step(self) -> tuple[StepKind, int]:
         """Run one prefill chunk or one decode step."""
         if self._cache is None:
-            self._cache = build_cache(self._pending_blocks, self._runner.config, self._runner.device)
+            if self._buffers is None:  # a model whose cache is not plain K and V: transformers' own, from empty
+                self._cache = DynamicCache(config=self._runner.config)
+            else:
+                self._buffer = self._buffers.adopt_or_take(self._pending_blocks, self._plan.capacity)
+                self._cache = build_cache(self._buffer, self._start, self._runner.config)
             self._pending_blocks = ()
         plan = self._plan
         if self._pos < plan.prefill_end:
@@ -135,9 +144,12 @@ class GenerationJob:
         self._consumer.error(error)
 
     def release(self) -> None:
-        """Drop the KV cache and the blocks still to load."""
+        """Drop the KV cache and the blocks still to load, and give the cache's buffer back for reuse."""
         self._cache = None
         self._pending_blocks = ()
+        if self._buffer is not None and self._buffers is not None:
+            self._buffers.give_back(self._buffer)
+            self._buffer = None
 
     def _end_prefill(self, logits: torch.Tensor) -> None:
         if self._decoding is not None:

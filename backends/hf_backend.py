@@ -24,6 +24,7 @@ from .backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
 from .fingerprint import model_fingerprint, tokenizer_hash
 from .generation_job import Decoding, GenerationJob, JobPlan
 from .handoff import LoopHandoff
+from .kv_buffers import KVBuffers
 from .kv_cache import cache_layout_problem, check_blocks, geometry_from_config, reuse_refusal
 from .model_resolver import resolve_model
 from .model_runner import ModelRunner
@@ -31,6 +32,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, StepListener
 from .text_stream import TextStream
 
+_FIRST_ANSWER_TOKENS = 512  # answer tokens a request's cache has room for before it first grows
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -75,6 +77,8 @@ class HFBackend:
         self._eos_ids = _eos_ids(model, tokenizer)
         self.reuse_refusal: str | None = reuse_refusal(model.config, self.context_length) or self._probe_layout()
         self.prefix_reuse = self.reuse_refusal is None
+        # A cache that is not plain per-token K and V stays transformers' own; it has nothing to put in a buffer.
+        self._buffers = KVBuffers(self.geometry, self.device) if self.prefix_reuse else None
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         self._scheduler = Scheduler(name=f"prefixgate-{model_id}", on_step=on_step)
@@ -154,6 +158,10 @@ class HFBackend:
         assert isinstance(text, str)
         return text
 
+    def kv_buffer(self, prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
+        """Lend a buffer from this backend's pool to fetch a prompt's cached prefix into (see `Backend.kv_buffer`)."""
+        return None if self._buffers is None else self._buffers.lend(self._capacity(prompt_tokens, max_tokens))
+
     def generate(
         self,
         token_ids: Sequence[int],
@@ -190,7 +198,7 @@ class HFBackend:
             return 0
         handoff = LoopHandoff(asyncio.get_running_loop())
         job = GenerationJob(
-            self._scheduler.next_job_id(), self._runner, plan, handoff, decoding=None, on_block=on_block
+            self._scheduler.next_job_id(), self._runner, self._buffers, plan, handoff, decoding=None, on_block=on_block
         )
         self._scheduler.submit(job)
         try:
@@ -216,7 +224,13 @@ class HFBackend:
     ) -> AsyncGenerator[TokenChunk, None]:
         handoff = LoopHandoff(asyncio.get_running_loop())
         job = GenerationJob(
-            self._scheduler.next_job_id(), self._runner, plan, handoff, decoding=decoding, on_block=on_block
+            self._scheduler.next_job_id(),
+            self._runner,
+            self._buffers,
+            plan,
+            handoff,
+            decoding=decoding,
+            on_block=on_block,
         )
         self._scheduler.submit(job)
         try:
@@ -275,11 +289,16 @@ class HFBackend:
             cached_blocks=list(cached_blocks[:usable]),
             known_blocks=len(cached_blocks),
             prefill_end=usable * size if prefill_only else len(prompt),
+            capacity=self._capacity(len(prompt), reserve),
             block_size=size,
             # Chunked prefill continues a restored cache, which is just what a refused model cannot be trusted to
             # do (state-space layers in transformers recompute from scratch on a multi-token step): one pass.
             chunk_tokens=self._prefill_chunk_tokens if self.prefix_reuse else len(prompt),
         )
+
+    def _capacity(self, prompt_tokens: int, max_tokens: int) -> int:
+        # Room for the prompt and the start of the answer; a longer answer grows the cache as it goes.
+        return prompt_tokens + max(0, min(max_tokens, _FIRST_ANSWER_TOKENS, self.context_length - prompt_tokens))
 
     def _probe_layout(self) -> str | None:
         """Run one token through the model and check its cache against the geometry; describe a mismatch."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -77,49 +78,59 @@ def check_blocks(blocks: Sequence[torch.Tensor], geometry: KVGeometry) -> None:
             )
 
 
-def build_cache(blocks: Sequence[torch.Tensor], config: PretrainedConfig, device: torch.device) -> DynamicCache:
-    """Build a DynamicCache holding the K and V of `blocks` (block 0 first), on `device`."""
-    if not blocks:
-        return DynamicCache(config=config)
-    kv = _joined_in_place(blocks, device)
-    if kv is None:
-        kv = torch.cat(
-            [b.to(device, non_blocking=True) for b in blocks], dim=3
-        )  # kv: [layers, 2, kv_heads, T, head_dim]
-    cache = DynamicCache(config=config)
-    assert len(cache.layers) == kv.shape[0], "one cache layer per block layer"
-    for index, layer in enumerate(cache.layers):
-        assert isinstance(layer, DynamicLayer), "only plain KV layers are restored from blocks"
-        keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)  # each: [1, kv_heads, T, head_dim]
-        if type(layer) is DynamicLayer:
-            # Set rather than update(): update() appends to an empty tensor, which copies the whole prefix once
-            # more. The first forward pass appends the new tokens by concatenation, so these views stay unwritten.
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        else:
-            layer.update(keys, values)  # a subclass (a sliding window) keeps bookkeeping that update() maintains
-    return cache
+class AppendLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__
+    """A full-attention cache layer that writes new K and V in place, into the spare room of a preallocated buffer.
 
-
-def _joined_in_place(blocks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """Return the blocks as one tensor without copying when they are consecutive slices of one, else None.
-
-    A store that assembles a prefix in one tensor hands its blocks over as such slices; joining them with cat
-    would copy a multi-megabyte prefix a second time on the path to the first token.
+    transformers' DynamicLayer concatenates on every forward pass, copying the whole cache each step (for SmolLM2 at
+    4k tokens, 180 MB a step); this layer writes only the new tokens. `keys` and `values` stay views of the buffer,
+    so DynamicLayer's length, mask and crop logic apply unchanged. A full buffer is replaced by one twice as long.
     """
-    first = blocks[0]
-    size = first.shape[3]
-    step = first.stride(3) * size  # elements between the starts of two consecutive blocks
-    for index, block in enumerate(blocks):
-        if (
-            block.device != device
-            or block.stride() != first.stride()
-            or block.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or block.storage_offset() != first.storage_offset() + index * step
-        ):
-            return None
-    shape = (*first.shape[:3], size * len(blocks), first.shape[4])
-    return first.as_strided(shape, first.stride())  # kv: [layers, 2, kv_heads, T, head_dim]
+
+    def __init__(self, storage: torch.Tensor, length: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._storage = storage  # storage: [2, kv_heads, capacity, head_dim]
+        keys, values = self._views(length)
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [1, kv_heads, new, head_dim]
+        assert key_states.shape[0] == 1, "prefixgate runs one sequence per cache"
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if end > self._storage.shape[2]:
+            two, heads, capacity, head_dim = self._storage.shape
+            grown = self._storage.new_empty((two, heads, max(end, 2 * capacity), head_dim))
+            grown[:, :, :start] = self._storage[:, :, :start]
+            self._storage = grown
+        self._storage[0, :, start:end] = key_states[0]
+        self._storage[1, :, start:end] = value_states[0]
+        self.keys, self.values = self._views(end)
+        return self.keys, self.values
+
+    def _views(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._storage[:, :, :length].unsqueeze(1)  # kv: [2, 1, kv_heads, length, head_dim]
+        return kv[0], kv[1]
+
+
+def build_cache(buffer: torch.Tensor, length: int, config: PretrainedConfig) -> DynamicCache:
+    """Build a DynamicCache that runs in `buffer`, whose first `length` positions hold the cached prefix's K and V.
+
+    `buffer` is `[layers, 2, kv_heads, capacity, head_dim]` (see KVBuffers); the cache writes into it from then on.
+    """
+    cache = DynamicCache(config=config)
+    assert len(cache.layers) == buffer.shape[0], "one cache layer per buffer layer"
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[index] = AppendLayer(buffer[index], length)
+        elif length:
+            assert isinstance(layer, DynamicLayer), "only models with plain KV layers reuse blocks"
+            # A window layer (its window longer than any context) keeps bookkeeping that only update() maintains.
+            kv = buffer[index, :, :, :length].unsqueeze(1)  # kv: [2, 1, kv_heads, length, head_dim]
+            layer.update(kv[0], kv[1])
+    return cache
 
 
 def cut_block(cache: DynamicCache, start: int, stop: int) -> torch.Tensor:

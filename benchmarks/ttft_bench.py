@@ -5,14 +5,16 @@ prefix length it measures, in one run:
 - cold: nothing cached, the whole prompt is computed (in the backend's prefill chunks);
 - warm from each tier: the prefix's blocks fetched from a store holding them only in that tier (device, host or
   disk; on a machine without a GPU the device tier is a pool in CPU memory, and disk reads come from the page
-  cache), then only the question computed;
-- ideal: the prefix's cache object kept in memory and reused directly, no store: the floor for any cache.
+  cache) into a buffer the backend lends, as the engine does, then only the question computed;
+- ideal: the prefix's cache object (the backend's own kind) kept in memory and reused directly, no store: the floor
+  for any cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -20,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from prefixgate.backends import HFBackend, SamplingParams
+from prefixgate.backends.kv_cache import build_cache
 from prefixgate.backends.model_runner import ModelRunner
 from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
 
@@ -78,47 +80,60 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
     namespace = Namespace(backend.fingerprint, backend.tokenizer_hash, layout.dtype_name, layout.shape)
     size = geometry.block_size
     count = length // size
-    with tempfile.TemporaryDirectory() as folder:
+    ideal = IdealCache(backend, prefix, len(question))
+    samples: dict[str, list[float]] = {name: [] for name in (*TIERS, "ideal")}
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
+        stores = {}
         for tier in TIERS:
-            with open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes) as store:
-                keys = chain_keys(store.seed(namespace), tokens, size)
-                parents = [None, *keys]
-                store.put(
-                    [
-                        Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i])
-                        for i in range(count)
-                    ]
-                )
-                store.wait_for_disk()
-                samples = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    hit = await asyncio.to_thread(store.fetch, namespace, tokens)
-                    assert hit.tiers == (tier,) * count, hit.tiers
-                    await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks])
-                    samples.append(time.perf_counter() - start)
-                times[tier] = statistics.median(samples)
-
-    # The ideal: the prefix's cache object, computed once and reused as it is; only the question is computed.
-    runner = ModelRunner(backend._model)
-    cache = DynamicCache(config=runner.config)
-    with torch.inference_mode():
-        for begin in range(0, length, 512):
-            runner.forward(prefix[begin : begin + 512], cache)
-        samples = []
+            store = stores[tier] = stack.enter_context(
+                open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes)
+            )
+            keys = chain_keys(store.seed(namespace), tokens, size)
+            parents = [None, *keys]
+            store.put(
+                [Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i]) for i in range(count)]
+            )
+            store.wait_for_disk()
+        # Rounds of one run each, interleaved, so the machine's slow moments fall on every column alike.
         for _ in range(repeats):
-            start = time.perf_counter()
-            int(runner.forward(question, cache).argmax())
-            samples.append(time.perf_counter() - start)
-            cache.crop(-len(question))  # back to the prefix alone
-    times["ideal"] = statistics.median(samples)
+            for tier, store in stores.items():
+                start = time.perf_counter()
+                buffer = backend.kv_buffer(len(tokens), FIRST_TOKEN.max_tokens)
+                hit = await asyncio.to_thread(store.fetch, namespace, tokens, buffer)
+                assert hit.tiers == (tier,) * count, hit.tiers
+                await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks])
+                samples[tier].append(time.perf_counter() - start)
+            samples["ideal"].append(await asyncio.to_thread(ideal.first_token_seconds, question))
+    times.update({name: statistics.median(values) for name, values in samples.items()})
     return times
+
+
+class IdealCache:
+    """The prefix's cache object, of the backend's own kind, computed once and reused as it is: no store."""
+
+    def __init__(self, backend: HFBackend, prefix: Sequence[int], question_tokens: int) -> None:
+        self.runner = ModelRunner(backend._model)
+        buffer = backend.kv_buffer(len(prefix) + question_tokens, 1)
+        assert buffer is not None
+        self.cache = build_cache(buffer, 0, self.runner.config)
+        with torch.inference_mode():
+            for begin in range(0, len(prefix), 512):
+                self.runner.forward(prefix[begin : begin + 512], self.cache)
+
+    def first_token_seconds(self, question: Sequence[int]) -> float:
+        """Compute the question after the prefix and pick the first token; leave the cache holding the prefix."""
+        with torch.inference_mode():
+            start = time.perf_counter()
+            int(self.runner.forward(question, self.cache).argmax())
+            seconds = time.perf_counter() - start
+            self.cache.crop(-len(question))  # back to the prefix alone
+        return seconds
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8128])
-    parser.add_argument("--repeats", type=int, default=5, help="warm and ideal runs per cell (median)")
+    parser.add_argument("--repeats", type=int, default=9, help="warm and ideal runs per cell (median)")
     args = parser.parse_args()
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
     try:

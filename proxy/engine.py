@@ -163,7 +163,9 @@ class Engine:
         started = time.perf_counter()
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
         prepared = await self.prepare(request)
-        hit, owned = await self._claim(prepared)
+        # The prefix is fetched straight into the memory the request's cache will run in.
+        buffer = self.backend.kv_buffer(len(prepared.token_ids), request.params.max_tokens)
+        hit, owned = await self._claim(prepared, buffer)
         try:
             stream = self.backend.generate(
                 prepared.token_ids,
@@ -171,6 +173,8 @@ class Engine:
                 request.params,
                 on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
             )
+            # The blocks are the request's cache now: keep only where they came from.
+            hit = replace(hit, blocks=())
             generation = Generation(self, request_id, prepared, hit, stream, owned, started)
             await generation.start()
         except BaseException:
@@ -230,15 +234,15 @@ class Engine:
 
     # -- the cache ----------------------------------------------------------------------------------------------
 
-    async def _claim(self, prepared: PreparedPrompt) -> tuple[PrefixHit, list[BlockKey]]:
-        """Fetch the cached prefix; wait for blocks another request is computing; claim the rest to compute.
+    async def _claim(self, prepared: PreparedPrompt, buffer: torch.Tensor | None) -> tuple[PrefixHit, list[BlockKey]]:
+        """Fetch the cached prefix (into `buffer`); wait for blocks another request is computing; claim the rest.
 
         Two requests sharing an uncached prefix compute it once: the second waits for the first's blocks.
         """
         keys = prepared.keys[: prepared.reusable]
         while True:
             if self.backend.prefix_reuse:
-                hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+                hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids, buffer)
             else:
                 hit = PrefixHit(keys, (), self.backend.geometry.block_size)
             first_missing = len(hit.blocks)

@@ -177,27 +177,48 @@ class TieredStore:
             tiers.append(tier.name)
         return PrefixMatch(keys, tuple(tiers), self.layout.block_size)
 
-    def fetch(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixHit:
-        """Load and verify the prompt's cached prefix, promoting blocks found below the top tier."""
+    def fetch(self, namespace: Namespace, tokens: Sequence[int], out: torch.Tensor | None = None) -> PrefixHit:
+        """Load and verify the prompt's cached prefix, promoting blocks found below the top tier.
+
+        The prefix is assembled in one tensor, one copy per block, and each block's tensor is a view into it: into
+        the leading positions of `out` (`[layers, 2, kv_heads, capacity, head_dim]` on the store's device, such as
+        a buffer the backend lends) when given, else into a new tensor.
+        """
         self.expire()
         size = self.layout.block_size
         keys = self.reusable_keys(namespace, tokens)
         blocks: list[Block] = []
         tiers: list[str] = []
-        # The prefix is assembled in one tensor on the model's device, one copy per block: each block's tensor is a
-        # view into it, and a backend loads consecutive views without copying them again.
         layers, two, heads, _, head_dim = self.layout.shape
-        prefix = torch.empty(
-            (layers, two, heads, len(keys) * size, head_dim), dtype=self.layout.dtype, device=self.device
-        )  # prefix: [layers, 2, kv_heads, tokens, head_dim]
+        if out is None:
+            out = torch.empty(
+                (layers, two, heads, len(keys) * size, head_dim), dtype=self.layout.dtype, device=self.device
+            )  # out: [layers, 2, kv_heads, tokens, head_dim]
+        self._check_out(out, len(keys) * size)
         for index, key in enumerate(keys):
-            out = prefix[:, :, :, index * size : (index + 1) * size]
-            found = self._get(key, tokens[index * size : (index + 1) * size], out)
+            slot = out[:, :, :, index * size : (index + 1) * size]
+            found = self._get(key, tokens[index * size : (index + 1) * size], slot)
             if found is None:
                 break
             blocks.append(found[0])
             tiers.append(found[1].name)
         return PrefixHit(keys, tuple(tiers), size, tuple(blocks))
+
+    def _check_out(self, out: torch.Tensor, tokens: int) -> None:
+        layers, two, heads, _, head_dim = self.layout.shape
+        if (
+            out.dim() != 5
+            or (out.shape[0], out.shape[1], out.shape[2], out.shape[4]) != (layers, two, heads, head_dim)
+            or out.shape[3] < tokens
+            or out.dtype != self.layout.dtype
+            or out.device.type != self.device.type
+            or out.device.index not in (None, self.device.index)
+        ):
+            raise ValueError(
+                f"fetch(out=) needs a {self.layout.dtype_name} tensor on {self.device} of shape [{layers}, {two}, "
+                f"{heads}, at least {tokens}, {head_dim}] for this prompt; got {tuple(out.shape)} "
+                f"{str(out.dtype).removeprefix('torch.')} on {out.device}"
+            )
 
     # -- inserts ------------------------------------------------------------------------------------------------
 

@@ -39,21 +39,46 @@ def reference_block(cache: DynamicCache, index: int, size: int) -> torch.Tensor:
     return torch.stack(layers)  # block: [layers, 2, kv_heads, block, head_dim]
 
 
+async def prefilled_blocks(make_backend: BackendFactory, length: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Return a prompt of `length` tokens and its full blocks, as a backend computes them."""
+    prompt = make_prompt(length)
+    sink = BlockSink()
+    assert await make_backend().prefill(prompt, [], sink) == length // 8 * 8
+    return prompt, sink.blocks
+
+
 async def test_logits_after_cached_prefix_match_full_recompute(
     make_backend: BackendFactory, llama: PreTrainedModel
 ) -> None:
-    backend = make_backend()
-    prompt = make_prompt(45)
-    sink = BlockSink()
-    assert await backend.prefill(prompt, [], sink) == 40
+    prompt, blocks = await prefilled_blocks(make_backend, 45)
     with torch.inference_mode():
         full = llama(torch.tensor([prompt])).logits[0]  # full: [45, vocab]
         for cached in (1, 3, 5):
-            cache = build_cache(sink.blocks[:cached], llama.config, torch.device("cpu"))
+            # Room for the prefix alone: the suffix grows the cache past its buffer.
+            buffer = torch.cat(blocks[:cached], dim=3)  # buffer: [layers, 2, kv_heads, cached * 8, head_dim]
+            cache = build_cache(buffer, cached * 8, llama.config)
             suffix = torch.tensor([prompt[cached * 8 :]])
             runner = ModelRunner(llama)
             logits = llama(suffix, use_cache=True, **{runner.cache_argument: cache}).logits[0]  # [suffix, vocab]
             torch.testing.assert_close(logits, full[cached * 8 :], atol=ATOL, rtol=0)
+
+
+async def test_a_cache_cropped_back_to_its_prefix_continues_as_if_new(
+    make_backend: BackendFactory, llama: PreTrainedModel
+) -> None:
+    prompt, blocks = await prefilled_blocks(make_backend, 45)
+    buffer = torch.cat([*blocks[:2], torch.zeros_like(blocks[0])], dim=3)  # 16 tokens and 8 spare
+    cache = build_cache(buffer, 16, llama.config)
+    runner = ModelRunner(llama)
+    with torch.inference_mode():
+        first = runner.forward(prompt[16:20], cache)  # writes in place
+        assert cache.get_seq_length() == 20 and cache.layers[0].keys.data_ptr() == buffer[0, 0].data_ptr()
+        cache.crop(-4)
+        other = runner.forward(prompt[16:30], cache)  # overwrites positions 16..19, then outgrows the buffer
+        cache.crop(-14)
+        again = runner.forward(prompt[16:20], cache)
+    torch.testing.assert_close(again, first, atol=ATOL, rtol=0)
+    assert cache.get_seq_length() == 20 and not torch.equal(other, first)
 
 
 async def test_greedy_continuation_is_token_identical_with_and_without_cached_blocks(

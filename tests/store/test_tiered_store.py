@@ -41,6 +41,33 @@ def test_longest_prefix_is_the_run_of_leading_blocks_present(open_store: StoreFa
     assert all(torch.equal(b.kv, make_kv(int.from_bytes(b.key.digest[:4], "little"))) for b in hit.blocks)
 
 
+def test_a_prefix_fetched_into_a_given_tensor_fills_its_leading_positions(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT[:12]))
+    layers, two, heads, size, head_dim = LAYOUT.shape
+    out = torch.full((layers, two, heads, 40, head_dim), -1.0)  # out: [layers, 2, kv_heads, capacity, head_dim]
+    hit = store.fetch(NS, PROMPT, out)
+    assert hit.cached_tokens == 12
+    for index, block in enumerate(hit.blocks):
+        slot = out[:, :, :, index * size : (index + 1) * size]
+        assert block.kv.data_ptr() == slot.data_ptr() and torch.equal(slot, make_blocks(store, PROMPT)[index].kv)
+    assert bool((out[:, :, :, 12:] == -1.0).all())  # the rest is left alone
+
+
+def test_a_tensor_too_small_or_of_another_layout_to_fetch_into_is_refused(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    layers, two, heads, _, head_dim = LAYOUT.shape
+    for wrong in (
+        torch.empty((layers, two, heads, 8, head_dim)),  # room for 2 blocks, the prompt may reuse 5
+        torch.empty((layers, two, heads + 1, 40, head_dim)),
+        torch.empty((layers, two, heads, 40, head_dim), dtype=torch.float16),
+    ):
+        with pytest.raises(ValueError, match=r"fetch\(out=\) needs a float32 tensor on cpu of shape \[2, 2, 2"):
+            store.fetch(NS, PROMPT, wrong)
+    assert store.fetch(NS, PROMPT).cached_tokens == 20  # nothing lost
+
+
 def test_a_gap_ends_the_prefix_even_when_later_blocks_are_cached(open_store: StoreFactory) -> None:
     store = open_store()
     blocks = make_blocks(store, PROMPT)

@@ -114,6 +114,8 @@ async def main() -> None:
 
     cold, warm = statistics.median(colds), statistics.median(warms)
     http_ms, engine_ms = statistics.median(through_http) * 1e3, statistics.median(in_process) * 1e3
+    # Each HTTP run is paired with the in-process run right after it, so a slow moment of the machine falls on both.
+    overhead_ms = statistics.median(h - e for h, e in zip(through_http, in_process, strict=True)) * 1e3
     print(f"SmolLM2-135M-Instruct through HTTP, {args.prefix_tokens}-token system prompt + a short question")
     rows = [
         ("time to first token, cold (median of 2)", f"{cold * 1e3:.0f} ms", ""),
@@ -121,7 +123,7 @@ async def main() -> None:
         ("cold / warm", f"{cold / warm:.1f}x", "target >= 20x"),
         (f"small cached request via HTTP (median of {args.overhead_runs})", f"{http_ms:.2f} ms", ""),
         (f"same request, engine in-process (median of {args.overhead_runs})", f"{engine_ms:.2f} ms", ""),
-        ("proxy overhead per request", f"{http_ms - engine_ms:.2f} ms", "target < 2 ms"),
+        ("proxy overhead per request (median of pairs)", f"{overhead_ms:.2f} ms", "target < 2 ms"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:

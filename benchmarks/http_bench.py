@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from prefixgate.backends import SamplingParams
-from prefixgate.proxy.app import ENGINE, create_app
+from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
 
@@ -75,7 +75,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         settings = load_settings(store=Path(folder) / "store")
         app = create_app(settings)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, **SERVE_OPTIONS)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -27,6 +27,9 @@ ENGINE = web.AppKey("engine", Engine)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
+# How the app is served (keyword arguments of aiohttp's run_app, AppRunner and TestServer): a client that disconnects
+# cancels its handler, so its request stops at the model's next step, in prefill as in decoding, streamed or not.
+SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 EngineFactory = Callable[[Settings], Awaitable[Engine]]
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from prefixgate import __version__
 from prefixgate.errors import ConfigError, PrefixgateError
-from prefixgate.proxy.app import build_engine, create_app
+from prefixgate.proxy.app import SERVE_OPTIONS, build_engine, create_app
 from prefixgate.proxy.settings import Settings, load_settings
 
 # Settings whose values are maps take `KEY=VALUE` flags that may repeat.
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             print=lambda _: print(
                 f"prefixgate {__version__} serving {settings.model} on http://{settings.host}:{settings.port}/v1"
             ),
+            **SERVE_OPTIONS,
         )
     except PrefixgateError as error:
         print(f"prefixgate: {error}", file=sys.stderr)

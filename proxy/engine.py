@@ -177,9 +177,10 @@ class Engine:
             hit = replace(hit, blocks=())
             generation = Generation(self, request_id, prepared, hit, stream, owned, started)
             await generation.start()
-        except BaseException:
+        except BaseException as error:
             self._release(owned)
-            self.stats.count_error()
+            if not isinstance(error, asyncio.CancelledError):  # a client that left is not an error
+                self.stats.count_error()
             raise
         return generation
 

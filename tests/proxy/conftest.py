@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import AppRunner, BaseRunner
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, StepRecord
-from prefixgate.proxy.app import ENGINE, create_app
+from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app
 from prefixgate.proxy.engine import Engine
 from prefixgate.proxy.settings import Settings, load_settings
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
@@ -47,6 +48,14 @@ def tiny_engine(
 Serve = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
+class ServedApp(TestServer):
+    """The test server, run with the options `prefixgate serve` runs the app with, not aiohttp's test defaults."""
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        kwargs.pop("handler_cancellation", None)  # TestServer always turns it on; `prefixgate serve` decides
+        return AppRunner(self.app, **kwargs, **SERVE_OPTIONS)
+
+
 @pytest.fixture
 def steps() -> list[StepRecord]:
     """Every model step the served engine runs, in order."""
@@ -68,7 +77,7 @@ async def serve(
         async def factory(settings: Settings) -> Engine:
             return tiny_engine(settings, tokenizer, llama, steps)
 
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings, factory)))
+        client: TestClient[Any, Any] = TestClient(ServedApp(create_app(settings, factory)))
         await client.start_server()
         clients.append(client)
         return client

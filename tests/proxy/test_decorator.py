@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.errors import ConfigError, RequestError
 from prefixgate.proxy import PromptCache, Reply, ServerError
-from prefixgate.proxy.app import create_app
+from prefixgate.proxy.app import SERVE_OPTIONS, create_app
 from prefixgate.proxy.engine import Engine
 from prefixgate.proxy.settings import Settings, load_settings
 from tests.proxy.conftest import BLOCK_SIZE, MODEL, tiny_engine
@@ -206,7 +206,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, **SERVE_OPTIONS)
         self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=60)
 
     async def _start(self) -> str:

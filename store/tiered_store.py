@@ -194,7 +194,8 @@ class TieredStore:
             out = torch.empty(
                 (layers, two, heads, len(keys) * size, head_dim), dtype=self.layout.dtype, device=self.device
             )  # out: [layers, 2, kv_heads, tokens, head_dim]
-        self._check_out(out, len(keys) * size)
+        else:
+            self._check_out(out, len(keys) * size)
         for index, key in enumerate(keys):
             slot = out[:, :, :, index * size : (index + 1) * size]
             found = self._get(key, tokens[index * size : (index + 1) * size], slot)

@@ -12,7 +12,7 @@ from prefixgate.errors import BlockMismatchError, UnsupportedModelError
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import GREEDY, BlockSink, collect, transformers_greedy
 from tests.backends.test_kv_reuse import make_prompt
-from tests.backends.tiny_models import make_llama, make_mistral, make_tokenizer
+from tests.backends.tiny_models import TINY_DECODER, make_llama, make_mistral, make_tokenizer
 
 
 def test_geometry_describes_the_tiny_llama_blocks(make_backend: BackendFactory) -> None:
@@ -114,12 +114,7 @@ def test_mixed_full_and_sliding_layers_are_refused(
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **TINY_DECODER,
         use_sliding_window=True,
         sliding_window=32,
         layer_types=["full_attention", "sliding_attention"],

@@ -25,6 +25,15 @@ _CORPUS = [
     "You are a helpful assistant. Answer briefly and precisely.",
     "naïve café: ünïcödé 日本語 and emoji 🙂 are several bytes each",
 ]
+# The decoder size every tiny test model shares: 2 layers, 4 heads over 2 KV heads of 16, a 512-token context.
+TINY_DECODER: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 
 def make_tokenizer(chat_template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -50,13 +59,8 @@ def make_llama(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **overrides
     """Build a tiny float32 Llama with seeded random weights (2 layers, 4 heads, 2 KV heads of 16)."""
     settings: dict[str, Any] = {
         "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **TINY_DECODER,
         "head_dim": 16,
-        "max_position_embeddings": 512,
         # Wide initial weights give well-separated logits, so greedy picks are not decided by rounding noise.
         "initializer_range": 0.3,
         "bos_token_id": tokenizer.bos_token_id,
@@ -75,13 +79,8 @@ def make_mistral(tokenizer: PreTrainedTokenizerFast, *, sliding_window: int, see
     torch.manual_seed(seed)
     config = MistralConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         head_dim=16,
-        max_position_embeddings=512,
         sliding_window=sliding_window,
         initializer_range=0.3,
         eos_token_id=tokenizer.eos_token_id,

@@ -215,7 +215,14 @@ async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
 
 
 def _headers(generation: Generation) -> dict[str, str]:
-    headers = {"x-prefixgate-cached-tokens": str(generation.hit.cached_tokens)}
+    # Server-Timing: the engine's own time, so a client can tell it from the network's and the proxy's.
+    timings = [("ttft", generation.time_to_first_token), ("engine", generation.duration)]
+    headers = {
+        "x-prefixgate-cached-tokens": str(generation.hit.cached_tokens),
+        "Server-Timing": ", ".join(
+            f"{name};dur={seconds * 1e3:.3f}" for name, seconds in timings if seconds is not None
+        ),
+    }
     if generation.moved:
         headers["x-prefixgate-layout-moved"] = describe(generation.moved)
     return headers

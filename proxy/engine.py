@@ -313,7 +313,8 @@ class Generation:
         self.moved = prepared.moved
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.time_to_first_token: float | None = None
+        self.time_to_first_token: float | None = None  # seconds from the engine's start to the first token
+        self.duration: float | None = None  # seconds from the engine's start to the generation's end
         self._stream = stream
         self._owned = owned
         self._started = started
@@ -361,6 +362,7 @@ class Generation:
             await aclose()
         self.engine.stats.count_completion(self.completion_tokens)
         self.engine._release(self._owned)
+        self.duration = time.perf_counter() - self._started
 
     async def __aenter__(self) -> Generation:
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -181,6 +182,31 @@ async def test_the_client_request_id_is_echoed(serve: Serve) -> None:
     client = await serve()
     response = await client.get("/health", headers={"x-request-id": "abc-123"})
     assert response.headers["x-request-id"] == "abc-123"
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """Parse a Server-Timing header into milliseconds by metric name."""
+    timings = {}
+    for metric in header.split(", "):
+        name, _, duration = metric.partition(";dur=")
+        timings[name] = float(duration)
+    return timings
+
+
+async def test_server_timing_gives_the_engine_time_within_the_round_trip(serve: Serve) -> None:
+    client = await serve()
+    started = time.perf_counter()
+    response = await client.post("/v1/chat/completions", json=chat())
+    await response.read()
+    round_trip_ms = (time.perf_counter() - started) * 1e3
+    timings = server_timing(response.headers["Server-Timing"])
+    assert set(timings) == {"ttft", "engine"}
+    assert 0 < timings["ttft"] <= timings["engine"] < round_trip_ms
+
+    # A stream's headers leave before its end: they carry the time to the first token only.
+    streamed = await client.post("/v1/chat/completions", json=chat(stream=True))
+    await streamed.read()
+    assert set(server_timing(streamed.headers["Server-Timing"])) == {"ttft"}
 
 
 async def test_models_health_and_metrics(serve: Serve) -> None:

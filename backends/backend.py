@@ -127,6 +127,10 @@ class Backend(Protocol):
         """
         ...
 
+    def return_kv_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a lent buffer no blocks were fetched into, so the request's job can take it, already used."""
+        ...
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -162,6 +162,11 @@ class HFBackend:
         """Lend a buffer from this backend's pool to fetch a prompt's cached prefix into (see `Backend.kv_buffer`)."""
         return None if self._buffers is None else self._buffers.lend(self._capacity(prompt_tokens, max_tokens))
 
+    def return_kv_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a lent buffer no blocks were fetched into (see `Backend.return_kv_buffer`)."""
+        if self._buffers is not None:
+            self._buffers.give_back(buffer)
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -29,7 +29,7 @@ class KVBuffers:
         self.device = device
         self.keep_bytes = keep_bytes
         self._free: list[torch.Tensor] = []  # returned buffers, oldest first
-        # Lent buffers by address, until a job adopts them; one nobody adopts is simply garbage collected.
+        # Lent buffers by address, until a job adopts them or they come back unused.
         self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
@@ -60,8 +60,12 @@ class KVBuffers:
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        """Take back a buffer nothing reads or writes any more, keeping the newest up to `keep_bytes`."""
+        """Take back a buffer nothing reads or writes any more, keeping the newest up to `keep_bytes`.
+
+        That is an adopted buffer whose job has ended, or a lent one its borrower fetched no blocks into.
+        """
         with self._lock:
+            self._lent.pop(buffer.data_ptr(), None)
             self._free.append(buffer)
             while self._free and sum(_nbytes(b) for b in self._free) > self.keep_bytes:
                 self._free.pop(0)

@@ -166,6 +166,8 @@ class Engine:
         # The prefix is fetched straight into the memory the request's cache will run in.
         buffer = self.backend.kv_buffer(len(prepared.token_ids), request.params.max_tokens)
         hit, owned = await self._claim(prepared, buffer)
+        if buffer is not None and not hit.blocks:
+            self.backend.return_kv_buffer(buffer)  # nothing to adopt in it: the job takes it back from the pool
         try:
             stream = self.backend.generate(
                 prepared.token_ids,

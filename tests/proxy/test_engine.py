@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import SamplingParams, StepRecord
@@ -58,6 +59,27 @@ async def test_a_request_alone_computes_its_whole_prompt(engine_and_steps: tuple
     completion = await engine.complete(chat("Hello there"))
     assert completion.usage.cached_tokens == 0
     assert prefill_tokens(steps) == completion.usage.prompt_tokens
+
+
+async def test_each_request_runs_in_the_buffer_it_was_lent_cold_or_warm(
+    engine_and_steps: tuple[Engine, list[StepRecord]],
+) -> None:
+    engine, _ = engine_and_steps
+    lend = engine.backend.kv_buffer
+    lent: list[torch.Tensor | None] = []
+
+    def recorded_lend(prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
+        lent.append(lend(prompt_tokens, max_tokens))
+        return lent[-1]
+
+    engine.backend.kv_buffer = recorded_lend  # type: ignore[method-assign]
+    cold = await engine.complete(chat("Hello there"))
+    warm = await engine.complete(chat("Hello there"))
+    assert cold.usage.cached_tokens == 0 < warm.usage.cached_tokens
+    # Nothing was fetched into the cold request's buffer: its job ran in it all the same, and gave it back, so the
+    # warm request was lent that same memory, already used, and so is the next one.
+    assert lent[0] is not None and lent[1] is lent[0]
+    assert lend(cold.usage.prompt_tokens, 4) is lent[0]
 
 
 async def test_tenants_and_cache_salts_have_their_own_namespaces(

@@ -11,7 +11,7 @@ Exports:
 - `resolve_model`, `ResolvedModel`, `default_model_cache_dir`, `EMBEDDED_MODEL`: model names and paths to folders.
 """
 
-from .backend import (
+from prefixgate.backends.backend import (
     Backend,
     BlockCallback,
     FinishReason,
@@ -19,14 +19,14 @@ from .backend import (
     SamplingParams,
     TokenChunk,
 )
-from .hf_backend import HFBackend
-from .model_resolver import (
+from prefixgate.backends.hf_backend import HFBackend
+from prefixgate.backends.model_resolver import (
     EMBEDDED_MODEL,
     ResolvedModel,
     default_model_cache_dir,
     resolve_model,
 )
-from .scheduler import StepListener, StepRecord
+from prefixgate.backends.scheduler import StepListener, StepRecord
 
 __all__ = [
     "EMBEDDED_MODEL",

@@ -9,13 +9,13 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from .backend import BlockCallback, TokenChunk
-from .kv_buffers import KVBuffers
-from .kv_cache import build_cache, cut_block
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import StepKind
-from .text_stream import TextStream
+from prefixgate.backends.backend import BlockCallback, TokenChunk
+from prefixgate.backends.kv_buffers import KVBuffers
+from prefixgate.backends.kv_cache import build_cache, cut_block
+from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.backends.sampler import Sampler
+from prefixgate.backends.scheduler import StepKind
+from prefixgate.backends.text_stream import TextStream
 
 
 class JobConsumer(Protocol):

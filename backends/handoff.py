@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TypeAlias
 
-from .backend import TokenChunk
+from prefixgate.backends.backend import TokenChunk
 
 HandoffItem: TypeAlias = TokenChunk | int | BaseException
 

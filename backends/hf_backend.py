@@ -11,6 +11,18 @@ import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from prefixgate.backends import attention
+from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
+from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
+from prefixgate.backends.generation_job import Decoding, GenerationJob, JobPlan
+from prefixgate.backends.handoff import LoopHandoff
+from prefixgate.backends.kv_buffers import KVBuffers
+from prefixgate.backends.kv_cache import cache_layout_problem, check_blocks, geometry_from_config, reuse_refusal
+from prefixgate.backends.model_resolver import resolve_model
+from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.backends.sampler import Sampler
+from prefixgate.backends.scheduler import Scheduler, StepListener
+from prefixgate.backends.text_stream import TextStream
 from prefixgate.errors import (
     ConfigError,
     ContextLengthError,
@@ -18,19 +30,6 @@ from prefixgate.errors import (
     RequestError,
     UnsupportedModelError,
 )
-
-from . import attention
-from .backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
-from .fingerprint import model_fingerprint, tokenizer_hash
-from .generation_job import Decoding, GenerationJob, JobPlan
-from .handoff import LoopHandoff
-from .kv_buffers import KVBuffers
-from .kv_cache import cache_layout_problem, check_blocks, geometry_from_config, reuse_refusal
-from .model_resolver import resolve_model
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import Scheduler, StepListener
-from .text_stream import TextStream
 
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's cache has room for before it first grows
 _DTYPES = {

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend import KVGeometry
+from prefixgate.backends.backend import KVGeometry
 
 _GRANULE = 256  # capacities are multiples of this many tokens, so buffers fit many prompt lengths
 

@@ -9,9 +9,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from prefixgate.backends.backend import KVGeometry
 from prefixgate.errors import BlockMismatchError
-
-from .backend import KVGeometry
 
 # Layer types (transformers' `layer_types` vocabulary) whose cache holds every past token's K and V.
 _PREFIX_LAYER_TYPES = frozenset({"full_attention"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import SamplingParams
+from prefixgate.backends.backend import SamplingParams
 
 
 class Sampler:

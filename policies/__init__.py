@@ -5,10 +5,10 @@ Exports the contract (`Policy`, its `Clock` and the `EntryTimes` it reports), th
 builds them by name (`POLICIES`, `make_policy`, `policy_names`, and `PolicyOptions`, the options all take).
 """
 
-from .lru import FIFOPolicy, LRUPolicy, LRUTTLPolicy
-from .policy import Clock, EntryTimes, Policy
-from .registry import POLICIES, PolicyOptions, make_policy, policy_names
-from .ttl import TTLPolicy
+from prefixgate.policies.lru import FIFOPolicy, LRUPolicy, LRUTTLPolicy
+from prefixgate.policies.policy import Clock, EntryTimes, Policy
+from prefixgate.policies.registry import POLICIES, PolicyOptions, make_policy, policy_names
+from prefixgate.policies.ttl import TTLPolicy
 
 __all__ = [
     "POLICIES",

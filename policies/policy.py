@@ -14,8 +14,7 @@ from itertools import count
 from typing import ClassVar, TypeAlias
 
 from prefixgate.errors import ConfigError
-
-from .key_order import DeadlineOrder
+from prefixgate.policies.key_order import DeadlineOrder
 
 Clock: TypeAlias = Callable[[], float]
 """Seconds on a monotonic scale; injected so tests drive time instead of sleeping."""

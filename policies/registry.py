@@ -5,10 +5,9 @@ from types import MappingProxyType
 from typing import TypedDict, Unpack
 
 from prefixgate.errors import ConfigError, UnknownPolicyError
-
-from .lru import FIFOPolicy, LRUPolicy, LRUTTLPolicy
-from .policy import Clock, Policy
-from .ttl import TTLPolicy
+from prefixgate.policies.lru import FIFOPolicy, LRUPolicy, LRUTTLPolicy
+from prefixgate.policies.policy import Clock, Policy
+from prefixgate.policies.ttl import TTLPolicy
 
 
 class PolicyOptions(TypedDict, total=False):

@@ -4,8 +4,8 @@ import time
 from collections.abc import Hashable
 from typing import ClassVar
 
-from .key_order import DeadlineOrder, RankOrder
-from .policy import Clock, Entry, Policy
+from prefixgate.policies.key_order import DeadlineOrder, RankOrder
+from prefixgate.policies.policy import Clock, Entry, Policy
 
 
 class TTLPolicy(Policy):

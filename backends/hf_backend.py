@@ -56,6 +56,7 @@ class HFBackend:
         block_size: int = 64,
         prefill_chunk_tokens: int = 512,
         context_length: int | None = None,
+        kv_buffer_budget: int = 1 << 30,
         on_step: StepListener | None = None,
     ) -> None:
         if block_size < 1:
@@ -77,7 +78,9 @@ class HFBackend:
         self.reuse_refusal: str | None = reuse_refusal(model.config, self.context_length) or self._probe_layout()
         self.prefix_reuse = self.reuse_refusal is None
         # A cache that is not plain per-token K and V stays transformers' own; it has nothing to put in a buffer.
-        self._buffers = KVBuffers(self.geometry, self.device) if self.prefix_reuse else None
+        self._buffers = (
+            KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget) if self.prefix_reuse else None
+        )
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         self._scheduler = Scheduler(name=f"prefixgate-{model_id}", on_step=on_step)
@@ -94,6 +97,7 @@ class HFBackend:
         model_cache_dir: Path | str | None = None,
         context_length: int | None = None,
         attn_implementation: str | None = None,
+        kv_buffer_budget: int = 1 << 30,
         on_step: StepListener | None = None,
     ) -> HFBackend:
         """Load a model folder, GGUF file or `smollm2-135m` (blocking; use asyncio.to_thread inside a loop)."""
@@ -118,6 +122,7 @@ class HFBackend:
             block_size=block_size,
             prefill_chunk_tokens=prefill_chunk_tokens,
             context_length=context_length,
+            kv_buffer_budget=kv_buffer_budget,
             on_step=on_step,
         )
 

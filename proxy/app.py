@@ -43,6 +43,7 @@ async def build_engine(settings: Settings) -> Engine:
         block_size=settings.block_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         model_cache_dir=settings.model_cache_dir,
+        kv_buffer_budget=int(settings.kv_buffer_budget),
     )
     geometry = backend.geometry
     defaults = StoreConfig.defaults(backend.device)

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     )
     host_budget: ByteSize = Field(ByteSize(8 << 30), description="host (CPU memory) tier bytes")
     disk_budget: ByteSize = Field(ByteSize(64 << 30), description="disk (LMDB) tier bytes; 0 turns it off")
+    kv_buffer_budget: ByteSize = Field(
+        ByteSize(1 << 30), description="bytes of finished requests' KV buffers kept on the model's device for reuse"
+    )
     policy: str = Field("lru", description=f"eviction policy of every tier: {', '.join(policy_names())}")
     ttl: PositiveFloat | None = Field(None, description="seconds a block lives after it is computed")
     idle_ttl: PositiveFloat | None = Field(None, description="seconds a block lives after its last use")

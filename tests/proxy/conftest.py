@@ -37,7 +37,13 @@ def tiny_engine(
 ) -> Engine:
     """Return an engine on the tiny Llama (8-token blocks, 16-token prefill chunks) and the settings' store."""
     backend = HFBackend(
-        model, tokenizer, model_id=MODEL, block_size=BLOCK_SIZE, prefill_chunk_tokens=16, on_step=steps.append
+        model,
+        tokenizer,
+        model_id=MODEL,
+        block_size=BLOCK_SIZE,
+        prefill_chunk_tokens=16,
+        kv_buffer_budget=int(settings.kv_buffer_budget),
+        on_step=steps.append,
     )
     geometry = backend.geometry
     config = StoreConfig(TierConfig(0), TierConfig(int(settings.host_budget)), TierConfig(int(settings.disk_budget)))

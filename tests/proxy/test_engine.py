@@ -82,6 +82,20 @@ async def test_each_request_runs_in_the_buffer_it_was_lent_cold_or_warm(
     assert lend(cold.usage.prompt_tokens, 4) is lent[0]
 
 
+@pytest.mark.parametrize(("budget", "kept"), [("1MiB", True), ("0", False)])
+async def test_kv_buffer_budget_bounds_the_buffers_kept_for_reuse(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, budget: str, kept: bool
+) -> None:
+    engine = tiny_engine(load_settings(store=tmp_path / "store", kv_buffer_budget=budget), tokenizer, llama, [])
+    try:
+        lent = engine.backend.kv_buffer(100, 4)  # 256 tokens of the tiny model's KV: 64 KiB
+        assert lent is not None
+        engine.backend.return_kv_buffer(lent)
+        assert (engine.backend.kv_buffer(100, 4) is lent) == kept
+    finally:
+        await engine.close()
+
+
 async def test_tenants_and_cache_salts_have_their_own_namespaces(
     engine_and_steps: tuple[Engine, list[StepRecord]],
 ) -> None:

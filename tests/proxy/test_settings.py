@@ -77,5 +77,6 @@ def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--host-budget", "--api-key", "--admin-key", "--layout-pattern", "--no-layout", "--config"):
+    flags = ("--host-budget", "--kv-buffer-budget", "--api-key", "--admin-key", "--layout-pattern", "--no-layout")
+    for flag in (*flags, "--config"):
         assert flag in text

@@ -102,6 +102,18 @@ class EngineStats:
                 lines.append(f'prefixgate_time_to_first_token_seconds_bucket{{le="{label}"}} {running}')
             lines.append(f"prefixgate_time_to_first_token_seconds_sum {self.ttft_sum}")
             lines.append(f"prefixgate_time_to_first_token_seconds_count {running}")
+            # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
+            for counted, help_text in (
+                ("requests", "Requests that produced a first token, by tenant."),
+                ("prompt_tokens", "Prompt tokens, by tenant."),
+                ("cached_tokens", "Prompt tokens served from the cache, by tenant."),
+            ):
+                name = f"prefixgate_tenant_{counted}_total"
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+                lines += [
+                    f'{name}{{tenant="{_label_value(tenant)}"}} {getattr(counts, counted)}'
+                    for tenant, counts in sorted(self.tenants.items())
+                ]
         for name, help_text, attribute in (
             ("entries", "Blocks held, by tier.", "entries"),
             ("bytes", "Bytes held, by tier.", "bytes"),
@@ -133,6 +145,11 @@ class EngineStatsSnapshot:
     def cached_total(self) -> int:
         """Return the prompt tokens served from the cache, over all tiers."""
         return sum(self.cached_tokens.values())
+
+
+def _label_value(value: str) -> str:
+    """Escape a Prometheus label value: backslash, double quote and line feed."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _counter(name: str, help_text: str, value: int) -> list[str]:

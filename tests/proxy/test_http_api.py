@@ -240,6 +240,12 @@ async def test_api_keys_map_to_tenants_that_never_share_blocks(serve: Serve) -> 
     assert await cached("key-a", cache_salt="project-x") == 0  # a salt splits one tenant's cache
     assert await cached("key-a", cache_salt="project-x") > 0
     assert (await client.get("/health")).status == 200  # health needs no key
+    metrics = (await (await client.get("/metrics")).text()).splitlines()
+    assert 'prefixgate_tenant_requests_total{tenant="acme"} 4' in metrics
+    assert 'prefixgate_tenant_requests_total{tenant="globex"} 1' in metrics
+    assert 'prefixgate_tenant_cached_tokens_total{tenant="globex"} 0' in metrics
+    acme = 'prefixgate_tenant_cached_tokens_total{tenant="acme"}'
+    assert int(next(line for line in metrics if line.startswith(acme)).split()[-1]) > 0
 
 
 async def test_layout_moves_a_date_out_of_the_system_prompt_and_can_be_turned_off(serve: Serve) -> None:

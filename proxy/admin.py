@@ -20,7 +20,14 @@ from aiohttp import web
 from prefixgate.errors import RequestError
 from prefixgate.proxy import admin_requests as params
 from prefixgate.proxy import openai_api as api
-from prefixgate.proxy.admin_requests import ExplainRequest, FlushRequest, WarmRequest
+from prefixgate.proxy.admin_requests import (
+    ChatExplainRequest,
+    ChatWarmRequest,
+    ExplainRequest,
+    FlushRequest,
+    TextExplainRequest,
+    TextWarmRequest,
+)
 from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed
 from prefixgate.proxy.cache_report import (
     cache_report,
@@ -165,11 +172,11 @@ async def flush(request: web.Request) -> web.Response:
 
 
 async def warm(request: web.Request) -> web.Response:
-    """POST /admin/cache/warm: precompute and store a chat prompt's blocks without generating."""
+    """POST /admin/cache/warm: precompute and store a prompt's blocks without generating."""
     params.query(request)
-    body = await params.parse_body(request, WarmRequest)
+    body = await params.parse_prompt_body(request, ChatWarmRequest, TextWarmRequest)
     engine, prompt = _prompt(request, body)
-    result = await _as_chat(engine.warm(prompt, pinned=body.pinned, ttl=body.ttl))
+    result = await _naming_messages(body, engine.warm(prompt, pinned=body.pinned, ttl=body.ttl))
     _audit(request, "warm", tenant=prompt.tenant, pinned=body.pinned, ttl=body.ttl, tokens=result.prompt_tokens)
     return web.json_response(
         {
@@ -185,11 +192,11 @@ async def warm(request: web.Request) -> web.Response:
 
 
 async def explain(request: web.Request) -> web.Response:
-    """POST /admin/cache/explain: a dry run of a chat request against the cache, explaining every miss."""
+    """POST /admin/cache/explain: a dry run of a request against the cache, explaining every miss."""
     params.query(request)
-    body = await params.parse_body(request, ExplainRequest)
+    body = await params.parse_prompt_body(request, ChatExplainRequest, TextExplainRequest)
     engine, prompt = _prompt(request, body)
-    explanation = await _as_chat(engine.explain(prompt))
+    explanation = await _naming_messages(body, engine.explain(prompt))
     _audit(request, "explain", tenant=prompt.tenant, cached=explanation.cached_tokens)
     return web.json_response(explanation_body(explanation))
 
@@ -249,12 +256,12 @@ def _prompt(request: web.Request, body: ExplainRequest) -> tuple[Engine, PromptR
     return engine, body.to_prompt_request(tenant)
 
 
-async def _as_chat(call: Awaitable[_Result]) -> _Result:
-    """Await an engine call, naming `messages` where the engine names its `prompt` (as the chat API does)."""
+async def _naming_messages(body: ExplainRequest, call: Awaitable[_Result]) -> _Result:
+    """Await an engine call; for a chat body, name `messages` where the engine names its `prompt`."""
     try:
         return await call
     except RequestError as error:
-        if error.param == "prompt":
+        if error.param == "prompt" and isinstance(body, api.ChatCompletionRequest):
             error.param = "messages"
         raise
 

@@ -15,6 +15,8 @@ from prefixgate.store import BlockKey
 
 MAX_LIMIT = 1000
 _Body = TypeVar("_Body", bound=BaseModel)
+_Chat = TypeVar("_Chat", bound=api.ChatCompletionRequest)
+_Text = TypeVar("_Text", bound=api.CompletionRequest)
 
 
 class FlushRequest(BaseModel):
@@ -25,23 +27,47 @@ class FlushRequest(BaseModel):
     tenant: str | None = None
 
 
-class ExplainRequest(api.ChatCompletionRequest):
-    """A POST /admin/cache/explain body: a chat completion request, and the tenant to explain it for."""
+class _Acting(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str | None = None  # whom the warm or explain acts for
 
-    tenant: str | None = None
 
-
-class WarmRequest(ExplainRequest):
-    """A POST /admin/cache/warm body: a chat completion request to precompute, and how to keep its blocks."""
-
+class _Keeping(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     pinned: bool = False
     ttl: float | None = Field(None, gt=0)  # seconds from now
+
+
+class ChatExplainRequest(api.ChatCompletionRequest, _Acting):
+    """A POST /admin/cache/explain body with `messages`: a chat completion request, and the tenant."""
+
+
+class TextExplainRequest(api.CompletionRequest, _Acting):
+    """A POST /admin/cache/explain body with `prompt`: a text completion request, and the tenant."""
+
+
+class ChatWarmRequest(ChatExplainRequest, _Keeping):
+    """A POST /admin/cache/warm body with `messages`: what to precompute, for whom, and how to keep its blocks."""
+
+
+class TextWarmRequest(TextExplainRequest, _Keeping):
+    """A POST /admin/cache/warm body with `prompt`: what to precompute, for whom, and how to keep its blocks."""
+
+
+ExplainRequest = ChatExplainRequest | TextExplainRequest
+WarmRequest = ChatWarmRequest | TextWarmRequest
 
 
 async def parse_body(request: web.Request, model: type[_Body]) -> _Body:
     """Return the JSON body validated as `model`; an empty body is an empty object."""
     raw = await request.read()
     return api.parse_json(raw if raw.strip() else b"{}", model)  # a flush of everything needs no body
+
+
+async def parse_prompt_body(request: web.Request, chat: type[_Chat], text: type[_Text]) -> _Chat | _Text:
+    """Return a warm or explain body: a text completion request when it has a `prompt`, else a chat request."""
+    data = api.json_object(await request.read())
+    return (text if "prompt" in data else chat).model_validate(data)
 
 
 def query(request: web.Request, *known: str) -> dict[str, str]:

@@ -201,13 +201,18 @@ class CompletionRequest(_Generation):
 
 def parse_json(raw: bytes, model: type[_Body]) -> _Body:
     """Return a JSON request body validated as `model`; raise RequestError when it is not a JSON object."""
+    return model.model_validate(json_object(raw))
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """Return a request body's JSON object; raise RequestError when it is not one."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
-    return model.model_validate(data)
+    return data
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

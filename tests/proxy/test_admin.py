@@ -245,6 +245,24 @@ async def test_a_warmed_prompt_hits_on_its_first_real_request(serve: Serve) -> N
     assert report["totals"]["requests"] == 1  # warming is no request
 
 
+async def test_warm_and_explain_take_a_text_completion_body_too(serve: Serve) -> None:
+    client = await serve(admin_key=ADMIN_KEY)
+    body = {"model": MODEL, "prompt": SYSTEM + "The capital of France is", "max_tokens": 4, "temperature": 0}
+    before = await admin(client, "POST", "/admin/cache/explain", body)
+    assert before["cached_tokens"] == 0 and "the prompt" in before["summary"]
+    warmed = await admin(client, "POST", "/admin/cache/warm", body | {"pinned": True})
+    assert warmed["cached_tokens"] == (warmed["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    assert (await admin(client, "POST", "/admin/cache/explain", body))["cached_tokens"] == warmed["cached_tokens"]
+    response = await client.post("/v1/completions", json=body)
+    assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == warmed["cached_tokens"]
+
+    # A text body's errors name `prompt`; a body of both shapes is taken for a text one, and told to drop `messages`.
+    empty_text = await admin(client, "POST", "/admin/cache/explain", body | {"prompt": [""]}, status=400)
+    assert empty_text["error"]["param"] == "prompt"
+    both = await admin(client, "POST", "/admin/cache/warm", body | {"messages": chat()["messages"]}, status=400)
+    assert both["error"]["param"] == "messages" and "unknown field" in both["error"]["message"]
+
+
 async def test_a_pinned_warm_survives_eviction_pressure_and_an_unpinned_one_does_not(serve: Serve) -> None:
     client = await serve(admin_key=ADMIN_KEY, store="", host_budget=40 * BLOCK_BYTES)  # no disk tier
     assert engine_of(client).backend.geometry.block_nbytes == BLOCK_BYTES

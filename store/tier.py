@@ -176,10 +176,6 @@ class Tier(ABC):
     def peek(self, key: BlockKey) -> Block | None:
         """Return the block unverified; its tensor may be a view, valid only until the tier next changes."""
 
-    def entries(self) -> list[EntryInfo]:
-        """Return every held block's entry."""
-        return [info for key in self.keys() if (info := self.entry(key)) is not None]
-
     def clear(self) -> int:
         """Drop every block; return how many were dropped."""
         keys = self.keys()

@@ -21,6 +21,7 @@ from prefixgate.store.memory_tier import MemoryTier
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
 
 DISK_FOLDER = "blocks.lmdb"
+_LISTING_CHUNK = 256  # entries listed per hold of the lock: well under a millisecond
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +268,20 @@ class TieredStore:
             return [tier.stats() for tier in self.tiers]
 
     def entries(self, *, tier: str | None = None, tenant: str | None = None) -> list[EntryInfo]:
-        """Return every cached block, optionally only those in one tier or of one tenant."""
-        tiers = self._tiers_named(tier)
-        with self._lock:
-            found = [entry for t in tiers for entry in t.entries()]
+        """Return every cached block, optionally only those in one tier or of one tenant.
+
+        The lock is taken for a few hundred entries at a time, so a listing of a large disk tier never stalls
+        requests for long; a block that moves between tiers meanwhile may be listed in both or neither.
+        """
+        found: list[EntryInfo] = []
+        for listed in self._tiers_named(tier):
+            with self._lock:
+                keys = listed.keys()
+            for start in range(0, len(keys), _LISTING_CHUNK):
+                with self._lock:
+                    infos = [listed.entry(key) for key in keys[start : start + _LISTING_CHUNK]]
+                found += [info for info in infos if info is not None]  # None: removed since the keys were read
+                time.sleep(0)  # yield, so a thread waiting for the lock takes it before this one takes it again
         return [entry for entry in found if tenant is None or entry.tenant == tenant]
 
     def entry(self, key: BlockKey) -> list[EntryInfo]:

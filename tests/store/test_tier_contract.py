@@ -132,7 +132,9 @@ def test_entries_describe_blocks_and_pins(make_tier: TierFactory) -> None:
     tier.put(first, pinned=True, ttl=60.0)
     tier.put(second)
     tier.get(second.key, second.tokens)
-    entries = {entry.key: entry for entry in tier.entries()}
+    held = tier.keys()
+    entries = {key: tier.entry(key) for key in held}
+    assert set(entries) == {first.key, second.key} and tier.entry(BlockKey(b"\x01" * 16)) is None
     assert entries[first.key].pinned and not entries[second.key].pinned
     assert entries[second.key].parent == first.key
     assert entries[second.key].hits == 1

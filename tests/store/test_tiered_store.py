@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from prefixgate.errors import StoreError
-from prefixgate.store import TieredStore
+from prefixgate.store import BlockKey, EntryInfo, TieredStore
 from prefixgate.store.tiered_store import StoreConfig, TierConfig
 from tests.store.conftest import (
     BLOCK,
@@ -251,6 +252,37 @@ def test_entries_filter_by_tier_and_tenant(open_store: StoreFactory) -> None:
     assert {entry.tier for entry in store.entry(key)} == {"host", "disk"}
     block = store.read(key)
     assert block is not None and block.tenant == "acme"
+
+
+def test_a_long_listing_lets_lookups_through_between_its_chunks(open_store: StoreFactory) -> None:
+    store = open_store(config(host=2048 * BLOCK, disk=0), folder=None)
+    tokens = list(range(2048 * LAYOUT.block_size))
+    store.put(make_blocks(store, tokens))
+    (tier,) = store.tiers
+    listing, listed = threading.Event(), threading.Event()
+    entry = tier.entry
+
+    def slow_entry(key: BlockKey) -> EntryInfo | None:  # a large disk tier, in miniature: 2048 entries, 0.4 s
+        listing.set()
+        time.sleep(0.0002)
+        return entry(key)
+
+    tier.entry = slow_entry  # type: ignore[method-assign]
+    during: list[bool] = []
+
+    def look_up() -> None:
+        listing.wait()
+        while not listed.is_set():
+            assert store.lookup(NS, tokens[:16]).cached_tokens == 12
+            during.append(not listed.is_set())
+
+    thread = threading.Thread(target=look_up)
+    thread.start()
+    assert len(store.entries()) == 2048
+    listed.set()
+    thread.join()
+    # Had the listing held the lock throughout, at most one lookup would end before it did.
+    assert sum(during) >= 3
 
 
 def test_another_process_sees_blocks_this_one_writes(open_store: StoreFactory, tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def embedded_gguf_path() -> Path:
 
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """Return a folder with the GGUF's weights and tokenizer as safetensors, converting it once if needed."""
-    target = cache_dir / _converted_name(gguf_path)
+    target = cache_dir / f"{gguf_path.stem.lower()}-{_content_hash(gguf_path, cache_dir)}"
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -114,11 +114,32 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     return target
 
 
-def _converted_name(gguf_path: Path) -> str:
-    # Size and mtime identify the file cheaply; hashing gigabytes of GGUF on every start would not.
+def _content_hash(gguf_path: Path, cache_dir: Path) -> str:
+    """Return the xxh3-128 of the file's bytes, so the same weights map to one converted folder wherever they lie.
+
+    A reinstall puts the same file at a new path with a new mtime; naming the folder by those would convert it
+    again and leave the old copy behind. Reading the whole file costs time on every start, though, so each result
+    is remembered under the file's path, size and mtime: a start with the file unchanged reads nothing.
+    """
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    return f"{gguf_path.stem.lower()}-{xxhash.xxh3_64_hexdigest(identity.encode())}"
+    where = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = cache_dir / ".content-hashes" / xxhash.xxh3_64_hexdigest(where.encode())
+    try:
+        remembered = memo.read_text()
+        if len(remembered) == 32 and all(c in "0123456789abcdef" for c in remembered):
+            return remembered
+    except FileNotFoundError:
+        pass
+    hasher = xxhash.xxh3_128()
+    with gguf_path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            hasher.update(chunk)
+    digest = hasher.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    staging = memo.with_name(f".{memo.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging.write_text(digest)
+    staging.replace(memo)  # whole or not at all, whoever else writes it at the same time
+    return digest
 
 
 def _convert_into(gguf_path: Path, folder: Path) -> None:

@@ -6,7 +6,10 @@ about a second.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +55,15 @@ def test_a_gguf_path_resolves_to_the_same_converted_folder(smollm2: HFBackend) -
     by_path = resolve_model(str(embedded_gguf_path()))
     assert by_path.folder == by_name.folder
     assert by_path.source == "gguf" and by_name.source == "embedded"
+
+
+def test_a_reinstalled_gguf_reuses_its_converted_folder(smollm2: HFBackend, tmp_path: Path) -> None:
+    converted = resolve_model(EMBEDDED_MODEL).folder
+    # A reinstall, or a copy, puts the same bytes at another path with another mtime.
+    copy = tmp_path / embedded_gguf_path().name
+    shutil.copyfile(embedded_gguf_path(), copy)
+    os.utime(copy, ns=(0, 10**18))
+    assert resolve_model(str(copy)).folder == converted
 
 
 async def test_it_knows_the_capital_of_france(smollm2: HFBackend) -> None:

@@ -1,8 +1,10 @@
 """Measure prefixgate end to end through HTTP, on SmolLM2: time to first token cold and warm for a 4k-token system
 prompt, and the proxy's own overhead against calling the engine in-process.
 
-Run by hand: `.venv/bin/python benchmarks/http_bench.py`. The server runs in this process on 127.0.0.1 (the real
-aiohttp app, the real engine, a store in a temporary folder); the clients keep their connections alive.
+Run by hand: `.venv/bin/python benchmarks/http_bench.py`. The server runs in this process on 127.0.0.1: the real
+aiohttp app and engine, served as `prefixgate serve` serves them (its access log written to /dev/null), with a store
+in a temporary folder. Time to first token is measured with aiohttp's client; the overhead with a bare HTTP/1.1
+client in a process of its own, as a real client would be.
 """
 
 from __future__ import annotations
@@ -10,9 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import multiprocessing
+import os
+import socket
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,6 @@ from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
 
 MODEL = "smollm2-135m"
-STEPS = ("bare", "aiohttp", "in-process")
 QUESTIONS = [f"In one sentence: what does section {i} of the report say?" for i in range(1, 40)]
 
 
@@ -52,34 +58,58 @@ def chat_body(system: str, question: str, **fields: Any) -> dict[str, Any]:
     return body | fields
 
 
-class BareClient:
-    """A minimal HTTP/1.1 client on one kept-alive connection: it sends bytes made beforehand and reads one response,
-    so what it times is the server's and the socket's work, not a client library's."""
+class ClientProcess:
+    """A bare HTTP/1.1 client in a process of its own: blocking socket, one kept-alive connection, requests made
+    beforehand. It times each exchange itself, from sending the request to having read the whole response, so it
+    counts what a client on another machine would wait for, and no client library's work."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
+    def __init__(self, port: int) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's model threads
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_client_loop, args=(port, child), daemon=True)
+        self._process.start()
 
-    @classmethod
-    async def connect(cls, port: int) -> BareClient:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    @staticmethod
-    def encode_post(path: str, body: dict[str, Any]) -> bytes:
-        data = json.dumps(body).encode()
-        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        return f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data
-
-    async def exchange(self, request: bytes) -> tuple[dict[str, str], bytes]:
-        """Send one request; return the response's headers (lower-case names) and body, checking its status."""
-        self._writer.write(request)
-        status, *lines = (await self._reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")[:-2]
-        headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines)}
-        body = await self._reader.readexactly(int(headers["content-length"]))
-        assert status.split()[1] == "200", body
-        return headers, body
+    async def exchange(self, request: bytes) -> tuple[float, dict[str, str]]:
+        """Have the client send `request`; return its round trip in seconds and the response's headers."""
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+        loop.add_reader(self._conn.fileno(), lambda: answered.done() or answered.set_result(None))
+        try:
+            self._conn.send_bytes(request)
+            await answered  # this loop serves the request meanwhile
+        finally:
+            loop.remove_reader(self._conn.fileno())
+        seconds, headers = self._conn.recv()
+        return seconds, headers
 
     def close(self) -> None:
-        self._writer.close()
+        self._conn.send_bytes(b"")
+        self._process.join()
+
+
+def _client_loop(port: int, conn: Connection) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        response = sock.makefile("rb")
+        while request := conn.recv_bytes():
+            start = time.perf_counter()
+            sock.sendall(request)
+            status = response.readline()
+            headers = {}
+            while (line := response.readline()) != b"\r\n":
+                name, _, value = line.decode().partition(":")
+                headers[name.lower()] = value.strip()
+            body = response.read(int(headers["content-length"]))
+            seconds = time.perf_counter() - start
+            assert status.split()[1] == b"200", body
+            conn.send((seconds, headers))
+
+
+def post(path: str, body: dict[str, Any]) -> bytes:
+    """Return an HTTP/1.1 request posting `body` as JSON."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data
 
 
 def small_system_prompt(engine: Engine) -> str:
@@ -132,7 +162,12 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         settings = load_settings(store=Path(folder) / "store")
         app = create_app(settings)
-        runner = web.AppRunner(app, access_log=None, **SERVE_OPTIONS)
+        # As `prefixgate serve` runs it: its access log on, here written to /dev/null.
+        access_log = logging.getLogger("aiohttp.access")
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
+        access_log.addHandler(logging.FileHandler(os.devnull))
+        runner = web.AppRunner(app, access_log=access_log, **SERVE_OPTIONS)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -153,41 +188,34 @@ async def main() -> None:
                     warms.append(seconds)
                     cached.append(hit)
 
-                # Overhead: a small request whose prompt is cached but for its last token, through a bare HTTP
-                # client, through aiohttp's and in-process, in turn and in rotating order.
+                # Overhead: a small request whose prompt is cached but for its last token, through HTTP and
+                # in-process, alternately and in alternating order.
                 body = chat_body(small_system_prompt(engine), "Say hi.")
                 request = PromptRequest(params=SamplingParams(max_tokens=1, temperature=0.0), messages=body["messages"])
                 await engine.complete(request)
                 small_cached = (await engine.complete(request)).usage.cached_tokens
-                bare = await BareClient.connect(port)
-                raw_request = bare.encode_post("/v1/chat/completions", body)
-                runs: dict[str, list[float]] = {step: [] for step in STEPS}
-                engine_in_http: dict[str, list[float]] = {"bare": [], "aiohttp": []}
+                client = ClientProcess(port)
+                raw_request = post("/v1/chat/completions", body)
+                await client.exchange(raw_request)
+                through_http, engine_in_http, in_process = [], [], []
                 for run in range(args.overhead_runs):
-                    for step in STEPS[run % 3 :] + STEPS[: run % 3]:
-                        start = time.perf_counter()
-                        if step == "bare":
-                            headers, _ = await bare.exchange(raw_request)
-                            timing = headers["server-timing"]
-                        elif step == "aiohttp":
-                            async with session.post(url, json=body) as response:
-                                await response.json()
-                            timing = response.headers["Server-Timing"]
+                    for step in ("http", "in-process") if run % 2 == 0 else ("in-process", "http"):
+                        if step == "http":
+                            seconds, headers = await client.exchange(raw_request)
+                            through_http.append(seconds)
+                            engine_in_http.append(server_timing(headers["server-timing"])["engine"] / 1e3)
                         else:
+                            start = time.perf_counter()
                             await engine.complete(request)
-                        runs[step].append(time.perf_counter() - start)
-                        if step != "in-process":
-                            engine_in_http[step].append(server_timing(timing)["engine"] / 1e3)
+                            in_process.append(time.perf_counter() - start)
                 # The floor: a trivial request right after a model step, and right after that one.
                 health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
                 floor: dict[str, list[float]] = {"after a model step": [], "after another request": []}
                 for _ in range(args.overhead_runs // 2):
                     await engine.complete(request)
                     for when in floor:
-                        start = time.perf_counter()
-                        await bare.exchange(health)
-                        floor[when].append(time.perf_counter() - start)
-                bare.close()
+                        floor[when].append((await client.exchange(health))[0])
+                client.close()
         finally:
             await runner.cleanup()
 
@@ -195,21 +223,18 @@ async def main() -> None:
     n = args.overhead_runs
     # The overhead of each HTTP request is its round trip less the engine's own time in it (from Server-Timing), so
     # the model's run-to-run spread, which is far larger than the overhead, cancels out exactly.
-    overhead = {
-        client: [h - e for h, e in zip(runs[client], engine_in_http[client], strict=True)] for client in engine_in_http
-    }
-    # Cross-check, noisier: each bare HTTP run against the in-process run of the same turn.
-    paired = [h - e for h, e in zip(runs["bare"], runs["in-process"], strict=True)]
+    overhead = [h - e for h, e in zip(through_http, engine_in_http, strict=True)]
+    # Cross-check, noisier: each HTTP run against the in-process run beside it.
+    paired = [h - e for h, e in zip(through_http, in_process, strict=True)]
     print(f"SmolLM2-135M-Instruct through HTTP, {args.prefix_tokens}-token system prompt + a short question")
     rows = [
         ("time to first token, cold (median of 2)", f"{cold * 1e3:.0f} ms", ""),
         (f"time to first token, warm (median of {len(warms)})", f"{warm * 1e3:.0f} ms", f"{min(cached)} cached tokens"),
         ("cold / warm", f"{cold / warm:.1f}x", "target >= 20x"),
-        (f"small request via HTTP (median of {n})", ms(runs["bare"]), f"{small_cached} cached tokens, 1 computed"),
-        (f"same request, engine in-process (median of {n})", ms(runs["in-process"]), ""),
-        ("engine time inside the HTTP requests", ms(engine_in_http["bare"]), "from Server-Timing"),
-        ("proxy overhead per request", ms(overhead["bare"]), "target < 2 ms; round trip less engine time"),
-        ("the same, with aiohttp's client", ms(overhead["aiohttp"]), "the client library's own work included"),
+        (f"small request via HTTP (median of {n})", ms(through_http), f"{small_cached} cached tokens, 1 computed"),
+        (f"same request, engine in-process (median of {n})", ms(in_process), ""),
+        ("engine time inside the HTTP requests", ms(engine_in_http), "from Server-Timing"),
+        ("proxy overhead per request", ms(overhead), "target < 2 ms; round trip less engine time"),
         ("HTTP less the in-process run beside it", ms(paired), f"cross-check; quartiles {quartiles(paired)}"),
         *((f"GET /health {when}", ms(seconds), "whole round trip") for when, seconds in floor.items()),
     ]

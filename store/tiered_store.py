@@ -270,13 +270,14 @@ class TieredStore:
     def entries(self, *, tier: str | None = None, tenant: str | None = None) -> list[EntryInfo]:
         """Return every cached block, optionally only those in one tier or of one tenant.
 
-        The lock is taken for a few hundred entries at a time, so a listing of a large disk tier never stalls
-        requests for long; a block that moves between tiers meanwhile may be listed in both or neither.
+        Every tier's keys are read at one moment, so a block stored meanwhile is in no tier's list rather than in
+        one only. Their entries are then read a few hundred at a time, so a listing of a large disk tier never stalls
+        requests for long; a block that leaves a tier meanwhile is not listed there.
         """
+        with self._lock:
+            held = [(listed, listed.keys()) for listed in self._tiers_named(tier)]
         found: list[EntryInfo] = []
-        for listed in self._tiers_named(tier):
-            with self._lock:
-                keys = listed.keys()
+        for listed, keys in held:
             for start in range(0, len(keys), _LISTING_CHUNK):
                 with self._lock:
                     infos = [listed.entry(key) for key in keys[start : start + _LISTING_CHUNK]]

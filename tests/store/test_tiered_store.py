@@ -285,6 +285,25 @@ def test_a_long_listing_lets_lookups_through_between_its_chunks(open_store: Stor
     assert sum(during) >= 3
 
 
+def test_a_block_stored_during_a_listing_is_listed_in_no_tier_rather_than_one(open_store: StoreFactory) -> None:
+    store = open_store()  # host and disk: every block is in both
+    store.put(make_blocks(store, PROMPT[:8]))
+    host, _ = store.tiers
+    entry = host.entry
+    late = make_blocks(store, PROMPT[:12])[2:]
+
+    def entry_then_store(key: BlockKey) -> EntryInfo | None:
+        if late:
+            store.put([late.pop()])  # another request's block, filed while the listing reads the host tier
+        return entry(key)
+
+    host.entry = entry_then_store  # type: ignore[method-assign]
+    listed = store.entries()
+    by_tier = {tier: {e.key for e in listed if e.tier == tier} for tier in ("host", "disk")}
+    assert by_tier["host"] == by_tier["disk"] and len(by_tier["host"]) == 2
+    assert len(store.entries()) == 6  # the next listing shows it in both
+
+
 def test_another_process_sees_blocks_this_one_writes(open_store: StoreFactory, tmp_path: Path) -> None:
     import subprocess
     import sys

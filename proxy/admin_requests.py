@@ -54,8 +54,7 @@ class TextWarmRequest(TextExplainRequest, _Keeping):
     """A POST /admin/cache/warm body with `prompt`: what to precompute, for whom, and how to keep its blocks."""
 
 
-ExplainRequest = ChatExplainRequest | TextExplainRequest
-WarmRequest = ChatWarmRequest | TextWarmRequest
+ExplainRequest = ChatExplainRequest | TextExplainRequest  # a warm body is one too
 
 
 async def parse_body(request: web.Request, model: type[_Body]) -> _Body:

@@ -20,6 +20,19 @@ from tests.backends.tiny_models import make_llama, make_tokenizer
 
 MODEL = "tiny-llama"
 BLOCK_SIZE = 8
+SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
+
+
+def chat_body(
+    content: str = "What is the capital of France?", *, system: str = SYSTEM, max_tokens: int = 8, **fields: Any
+) -> dict[str, Any]:
+    """Return a greedy chat completions body: a system prompt and one user message, plus any other fields."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    } | fields
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -12,24 +13,15 @@ from prefixgate.errors import ConfigError
 from prefixgate.proxy.openai_api import ChatCompletionRequest
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import BlockKey
-from tests.proxy.conftest import BLOCK_SIZE, MODEL, Serve, engine_of
+from tests.proxy.conftest import BLOCK_SIZE, MODEL, SYSTEM, Serve, chat_body, engine_of
 
 ADMIN_KEY = "admin-key-for-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
 UNKNOWN_KEY = "0" * 32
 BLOCK_BYTES = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4  # the tiny Llama's layers, K and V, KV heads, block, head dim, float32
 
 
-def chat(content: str = "What is the capital of France?", system: str = SYSTEM, **fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    body.update(fields)
-    return body
+chat = functools.partial(chat_body, max_tokens=4)
 
 
 async def cached(client: TestClient[Any, Any], body: dict[str, Any], key: str | None = None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.proxy.conftest import MODEL, Serve
+from tests.proxy.conftest import MODEL, SYSTEM, Serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 ADMIN_KEY = "dashboard-admin-key"
-SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
 # Virtual milliseconds the page runs for: three polls at one every five seconds.
 BUDGET_MS = 12_000
 

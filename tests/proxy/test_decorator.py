@@ -25,10 +25,9 @@ from prefixgate.proxy import PromptCache, Reply, ServerError
 from prefixgate.proxy.app import SERVE_OPTIONS, create_app
 from prefixgate.proxy.engine import Engine
 from prefixgate.proxy.settings import Settings, load_settings
-from tests.proxy.conftest import BLOCK_SIZE, MODEL, tiny_engine
+from tests.proxy.conftest import BLOCK_SIZE, MODEL, SYSTEM, tiny_engine
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
 QUESTION = "What is the capital of France?"
 GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0.0}
 

@@ -10,20 +10,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.proxy.conftest import MODEL, Serve, engine_of
-
-SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 6
-
-
-def chat(content: str = "What is the capital of France?", **fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-    body.update(fields)
-    return body
+from tests.proxy.conftest import MODEL, SYSTEM, Serve, engine_of
+from tests.proxy.conftest import chat_body as chat
 
 
 def sse_events(raw: str) -> list[tuple[str | None, str]]:

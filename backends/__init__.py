@@ -5,12 +5,15 @@ Exports:
   data that crosses it (see `backend.py`).
 - `HFBackend`: a transformers causal LM on this machine (`HFBackend.load("smollm2-135m")`, a model folder or a
   `.gguf` file; or `HFBackend(model, tokenizer, model_id=...)` around objects you built). One worker thread runs
-  every request a step at a time (a prefill chunk or a decode step); close it with `aclose()` or `close()`.
-- `StepRecord`, `StepListener`: what the model thread reports after each step (`on_step=`), for tests and
+  every admitted request in each step, one forward pass for all (decode tokens and prefill chunks); close it with
+  `aclose()` or `close()`.
+- `KVReservation`, `AdmissionStats`: a request's admitted share of KV memory, and the admission counts.
+- `StepRecord`, `Work`, `StepListener`: what the model thread reports after each step (`on_step=`), for tests and
   benchmarks.
 - `resolve_model`, `ResolvedModel`, `default_model_cache_dir`, `EMBEDDED_MODEL`: model names and paths to folders.
 """
 
+from prefixgate.backends.admission import AdmissionStats
 from prefixgate.backends.backend import (
     Backend,
     BlockCallback,
@@ -20,26 +23,30 @@ from prefixgate.backends.backend import (
     TokenChunk,
 )
 from prefixgate.backends.hf_backend import HFBackend
+from prefixgate.backends.kv_buffers import KVReservation
 from prefixgate.backends.model_resolver import (
     EMBEDDED_MODEL,
     ResolvedModel,
     default_model_cache_dir,
     resolve_model,
 )
-from prefixgate.backends.scheduler import StepListener, StepRecord
+from prefixgate.backends.worker import StepListener, StepRecord, Work
 
 __all__ = [
     "EMBEDDED_MODEL",
+    "AdmissionStats",
     "Backend",
     "BlockCallback",
     "FinishReason",
     "HFBackend",
     "KVGeometry",
+    "KVReservation",
     "ResolvedModel",
     "SamplingParams",
     "StepListener",
     "StepRecord",
     "TokenChunk",
+    "Work",
     "default_model_cache_dir",
     "resolve_model",
 ]

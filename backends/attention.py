@@ -1,25 +1,52 @@
-"""The attention function prefixgate runs models with: transformers' SDPA, minus a copy on the CPU.
+"""Packed attention: many requests' new tokens in one forward pass, each attending only to its own KV buffer.
 
-For grouped-query attention with a mask (every prefill chunk and every cached-prefix step), transformers repeats
-K and V once per query group before calling SDPA, unless it knows the kernel handles the groups itself. PyTorch's
-CPU SDPA does, so on a CPU the repeat only copies: for SmolLM2 (3 KV heads, 9 query heads) at 4k tokens of context
-it writes about 570 MB per forward pass and costs a quarter of the step. Elsewhere (CUDA) masked GQA would leave the
-fast kernels, so the stock path stays.
+The model runs once over the step's tokens packed into one row (`[1, total, hidden]`): projections, MLPs and norms
+see one batch. Attention is the only per-request part. transformers calls this function once per layer with the
+packed queries and the new keys and values (RoPE applied); it writes each request's new K and V into that request's
+buffer and attends its queries over the buffer's filled positions, as vLLM's attention layer writes to its paged cache
+and then attends. No cache object is passed to the model, so transformers neither stores K and V itself nor builds a
+mask: this name is not registered for masks, and each request's causal (and sliding-window) mask is built here.
+Called outside a packed step (transformers' own `generate` on a model a backend has packed), it attends like SDPA.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "prefixgate_sdpa"
+NAME = "prefixgate_packed"
+BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
 
 
-def attention(
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One request's part of a packed step: its KV buffer, what it holds already, and its new tokens."""
+
+    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim]
+    start: int  # positions of `kv` already filled; the new tokens take positions [start, start + length)
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """The segments of one step, in packing order; `cu_seqlens[i]` is where segment i's tokens start."""
+
+    segments: tuple[Segment, ...]
+    cu_seqlens: tuple[int, ...]  # [segments + 1]: 0, len_0, len_0 + len_1, ..., total
+
+    @classmethod
+    def of(cls, segments: tuple[Segment, ...]) -> PackedBatch:
+        """Pack segments in the order given."""
+        bounds = [0]
+        for segment in segments:
+            bounds.append(bounds[-1] + segment.length)
+        return cls(segments, tuple(bounds))
+
+
+def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -27,25 +54,77 @@ def attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Compute attention as SDPA does, letting the CPU kernel expand grouped K and V itself."""
-    plain = not kwargs.get("softcap") and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
-    if (
-        query.device.type == "cpu"
-        and attention_mask is not None
-        and plain
-        and getattr(module, "num_key_value_groups", 1) > 1
-    ):
-        # query: [batch, heads, q, head_dim]; key, value: [batch, kv_heads, kv, head_dim]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    """Write each segment's new K and V into its buffer and attend its queries over that buffer."""
+    heads, head_dim = query.shape[1], query.shape[3]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    batch = kwargs.get(BATCH_ARGUMENT)
+    if batch is None:
+        # The model called outside a packed step (transformers' own generate, say), with transformers' cache: each
+        # row one unpadded sequence whose queries are the last of its keys.
+        start = key.shape[2] - query.shape[2]
+        mask = _mask(start, query.shape[2], 0, key.shape[2], sliding_window, query.device)
+        return _attend(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
+    assert isinstance(batch, PackedBatch)
+    layer = int(getattr(module, "layer_idx"))  # noqa: B009  # every attention module of transformers has one
+    # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
+    outputs = []
+    for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
+        start, end = segment.start, segment.start + segment.length
+        stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
+        stored[0, :, start:end] = key[0, :, begin : begin + segment.length]
+        stored[1, :, start:end] = value[0, :, begin : begin + segment.length]
+        # Keys a query may see: none past its own position, none at or before `position - window`.
+        low = 0 if sliding_window is None else max(0, start - int(sliding_window) + 1)
+        keys = stored[0, :, low:end].unsqueeze(0)  # keys: [1, kv_heads, seen, head_dim]
+        values = stored[1, :, low:end].unsqueeze(0)
+        queries = query[:, :, begin : begin + segment.length]  # queries: [1, heads, length, head_dim]
+        mask = _mask(start, segment.length, low, end, sliding_window, query.device)
+        outputs.append(_attend(queries, keys, values, mask, scale, softcap))
+    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # out: [1, heads, total, head_dim]
+    assert out.shape[1] == heads
+    return out.transpose(1, 2).contiguous(), None  # [1, total, heads, head_dim]
+
+
+def _mask(start: int, length: int, low: int, end: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Return which keys `[low, end)` each new query `[start, start + length)` sees, or None when it sees them all."""
+    if length == 1 and (window is None or end - low <= window):
+        return None  # one new token sees every stored position up to itself, and `low` already cut the window
+    positions = torch.arange(start, end, device=device).unsqueeze(1)  # positions: [length, 1]
+    keys = torch.arange(low, end, device=device).unsqueeze(0)  # keys: [1, seen]
+    visible = keys <= positions
+    if window is not None:
+        visible &= keys > positions - window
+    return visible  # visible: [length, seen]
+
+
+def _attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attend queries `[1, heads, q, d]` over keys and values `[1, kv_heads, k, d]`; return `[1, heads, q, d]`."""
+    groups = queries.shape[1] // keys.shape[1]
+    if not softcap:
+        # SDPA expands grouped K and V itself (enable_gqa), which on a CPU saves the copy a repeat would make.
+        return torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
         )
-        return out.transpose(1, 2).contiguous(), None  # out: [batch, q, heads, head_dim]
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    # Logit soft-capping (Gemma 2) has no SDPA kernel: the eager computation, as transformers' own eager path does.
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # scores: [1, heads, q, k]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)
 
 
-AttentionInterface.register(NAME, attention)
-# transformers builds masks by attention name, and builds none for names it does not know: the masks are SDPA's.
-AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionInterface.register(NAME, packed_attention)

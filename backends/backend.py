@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from prefixgate.errors import RequestError
+
+if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
+    from prefixgate.backends.admission import AdmissionStats
+    from prefixgate.backends.kv_buffers import KVReservation
 
 FinishReason = Literal["stop", "length"]
 
@@ -119,16 +123,19 @@ class Backend(Protocol):
         """Turn token ids back into text, leaving out special tokens."""
         ...
 
-    def kv_buffer(self, prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
-        """Lend a buffer to fetch a prompt's cached prefix into (`TieredStore.fetch(..., out=)`); None without reuse.
+    async def reserve(self, prompt_tokens: int, max_tokens: int) -> KVReservation:
+        """Wait until the request may run: its prompt and answer fit the context and the KV memory budget.
 
-        Blocks passed to generate() or prefill() as the buffer's leading slices are used in place, with no further
-        copy: from then on the buffer is that request's cache, and the caller must neither read nor write it.
+        Raises ContextLengthError before allocating anything, and OverloadedError when the wait queue is full. The
+        reservation's `buffer` (None without reuse) is where to fetch the cached prefix (`TieredStore.fetch(...,
+        out=)`); blocks passed to generate() or prefill() as its leading slices are used in place. Pass it to one
+        generate() or prefill(), which takes it over and releases it when the request ends; release it yourself
+        only if you pass it to neither.
         """
         ...
 
-    def return_kv_buffer(self, buffer: torch.Tensor) -> None:
-        """Give back a lent buffer no blocks were fetched into, so the request's job can take it, already used."""
+    def admission(self) -> AdmissionStats:
+        """Return how many requests run and wait, and the KV memory the running ones hold."""
         ...
 
     def generate(
@@ -137,8 +144,13 @@ class Backend(Protocol):
         cached_blocks: Sequence[torch.Tensor],
         params: SamplingParams,
         on_block: BlockCallback | None = None,
+        *,
+        reservation: KVReservation | None = None,
     ) -> AsyncIterator[TokenChunk]:
-        """Stream the continuation of `token_ids`, starting from the KV of `cached_blocks` (block 0 first)."""
+        """Stream the continuation of `token_ids`, starting from the KV of `cached_blocks` (block 0 first).
+
+        Without a `reservation` the stream reserves its own on its first iteration, waiting as `reserve` does.
+        """
         ...
 
     async def prefill(
@@ -146,6 +158,8 @@ class Backend(Protocol):
         token_ids: Sequence[int],
         cached_blocks: Sequence[torch.Tensor],
         on_block: BlockCallback | None,
+        *,
+        reservation: KVReservation | None = None,
     ) -> int:
         """Compute the prompt's blocks past `cached_blocks` and hand them to `on_block`; return tokens computed."""
         ...

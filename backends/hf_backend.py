@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from prefixgate.backends import attention
+from prefixgate.backends import sequence
+from prefixgate.backends.admission import Admission, AdmissionStats
 from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
-from prefixgate.backends.generation_job import Decoding, GenerationJob, JobPlan
 from prefixgate.backends.handoff import LoopHandoff
-from prefixgate.backends.kv_buffers import KVBuffers
-from prefixgate.backends.kv_cache import cache_layout_problem, check_blocks, geometry_from_config, reuse_refusal
+from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
+from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal
 from prefixgate.backends.model_resolver import resolve_model
-from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.sampler import Sampler
-from prefixgate.backends.scheduler import Scheduler, StepListener
+from prefixgate.backends.scheduler import Scheduler
+from prefixgate.backends.sequence import Decoding, SequencePlan
 from prefixgate.backends.text_stream import TextStream
+from prefixgate.backends.worker import StepListener, Worker
 from prefixgate.errors import (
     ConfigError,
     ContextLengthError,
@@ -31,7 +34,8 @@ from prefixgate.errors import (
     UnsupportedModelError,
 )
 
-_FIRST_ANSWER_TOKENS = 512  # answer tokens a request's cache has room for before it first grows
+_FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
+_CPU_INTERLEAVED_TOKENS = 64
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -45,7 +49,7 @@ _DTYPES = {
 
 
 class HFBackend:
-    """Serve a transformers causal LM from one worker thread, starting each request from cached KV blocks."""
+    """Serve a transformers causal LM from one worker thread, many requests a step, each from its cached KV blocks."""
 
     def __init__(
         self,
@@ -55,7 +59,11 @@ class HFBackend:
         model_id: str,
         block_size: int = 64,
         prefill_chunk_tokens: int = 512,
+        interleaved_prefill_tokens: int | None = None,
         context_length: int | None = None,
+        kv_memory_budget: int | None = None,
+        max_running: int = 64,
+        max_waiting: int = 256,
         kv_buffer_budget: int = 1 << 30,
         on_step: StepListener | None = None,
     ) -> None:
@@ -63,27 +71,38 @@ class HFBackend:
             raise ConfigError(f"block_size must be at least 1 token, got {block_size}")
         if prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be at least 1 token, got {prefill_chunk_tokens}")
+        if interleaved_prefill_tokens is not None and interleaved_prefill_tokens < 1:
+            raise ConfigError(f"interleaved_prefill_tokens must be at least 1, got {interleaved_prefill_tokens}")
+        if max_running < 1 or max_waiting < 0:
+            raise ConfigError(
+                f"max_running must be at least 1 and max_waiting at least 0, got {max_running}, {max_waiting}"
+            )
         model.eval()  # type: ignore[no-untyped-call]
-        if model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(attention.NAME)  # the same SDPA, without a copy of K and V on the CPU
         self.model_id = model_id
         self.context_length = context_length or _context_length(model, tokenizer)
         self.geometry: KVGeometry = geometry_from_config(model.config, model.dtype, block_size)
         self._model = model
         self._tokenizer = tokenizer
         self._runner = ModelRunner(model)
-        self._prefill_chunk_tokens = prefill_chunk_tokens
         self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
-        self.reuse_refusal: str | None = reuse_refusal(model.config, self.context_length) or self._probe_layout()
+        self.reuse_refusal: str | None = reuse_refusal(model.config) or self._probe_packed()
         self.prefix_reuse = self.reuse_refusal is None
-        # A cache that is not plain per-token K and V stays transformers' own; it has nothing to put in a buffer.
-        self._buffers = (
-            KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget) if self.prefix_reuse else None
-        )
+        # A cache that is not plain per-token K and V stays transformers' own: it runs alone, with nothing to buffer.
+        self._buffers: KVBuffers | None = None
+        if self.prefix_reuse:
+            self._buffers = KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget)
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
-        self._scheduler = Scheduler(name=f"prefixgate-{model_id}", on_step=on_step)
+        budget = kv_memory_budget if kv_memory_budget is not None else default_kv_memory_budget(self.device)
+        self._admission = Admission(budget_bytes=budget, max_running=max_running, max_waiting=max_waiting)
+        interleaved = interleaved_prefill_tokens or default_interleaved_prefill_tokens(
+            self.device, prefill_chunk_tokens
+        )
+        scheduler = Scheduler(
+            chunk_tokens=prefill_chunk_tokens, interleaved_tokens=interleaved, packed=self.prefix_reuse
+        )
+        self._worker = Worker(self._runner, scheduler, name=f"prefixgate-{model_id}", on_step=on_step)
 
     @classmethod
     def load(
@@ -92,15 +111,14 @@ class HFBackend:
         *,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
-        block_size: int = 64,
-        prefill_chunk_tokens: int = 512,
         model_cache_dir: Path | str | None = None,
-        context_length: int | None = None,
         attn_implementation: str | None = None,
-        kv_buffer_budget: int = 1 << 30,
-        on_step: StepListener | None = None,
+        **options: Any,
     ) -> HFBackend:
-        """Load a model folder, GGUF file or `smollm2-135m` (blocking; use asyncio.to_thread inside a loop)."""
+        """Load a model folder, GGUF file or `smollm2-135m` (blocking; use asyncio.to_thread inside a loop).
+
+        `options` are the constructor's keyword arguments (block_size, prefill_chunk_tokens, kv_memory_budget, ...).
+        """
         resolved = resolve_model(model, model_cache_dir=Path(model_cache_dir) if model_cache_dir else None)
         target = torch.device(device) if device is not None else _default_device()
         torch_dtype = _resolve_dtype(dtype, target)
@@ -115,16 +133,7 @@ class HFBackend:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model!r} from {str(resolved.folder)!r}: {exc}") from exc
         hf_model.to(target)  # type: ignore[arg-type]
-        return cls(
-            hf_model,
-            tokenizer,
-            model_id=resolved.model_id,
-            block_size=block_size,
-            prefill_chunk_tokens=prefill_chunk_tokens,
-            context_length=context_length,
-            kv_buffer_budget=kv_buffer_budget,
-            on_step=on_step,
-        )
+        return cls(hf_model, tokenizer, model_id=resolved.model_id, **options)
 
     @property
     def device(self) -> torch.device:
@@ -162,14 +171,26 @@ class HFBackend:
         assert isinstance(text, str)
         return text
 
-    def kv_buffer(self, prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
-        """Lend a buffer from this backend's pool to fetch a prompt's cached prefix into (see `Backend.kv_buffer`)."""
-        return None if self._buffers is None else self._buffers.lend(self._capacity(prompt_tokens, max_tokens))
+    async def reserve(self, prompt_tokens: int, max_tokens: int) -> KVReservation:
+        """Wait for KV memory for a prompt and its answer (see `Backend.reserve`); check the context length first."""
+        self._check_length(prompt_tokens, max_tokens)
+        tokens = prompt_tokens + max_tokens
+        nbytes = self._buffers.nbytes_for(tokens) if self._buffers is not None else 0
+        await self._admission.enter(nbytes)
+        try:
+            return KVReservation(
+                self._buffers,
+                tokens,
+                self._first_capacity(prompt_tokens, max_tokens),
+                lambda: self._admission.leave(nbytes),
+            )
+        except BaseException:
+            self._admission.leave(nbytes)
+            raise
 
-    def return_kv_buffer(self, buffer: torch.Tensor) -> None:
-        """Give back a lent buffer no blocks were fetched into (see `Backend.return_kv_buffer`)."""
-        if self._buffers is not None:
-            self._buffers.give_back(buffer)
+    def admission(self) -> AdmissionStats:
+        """Return how many requests run and wait, and the KV memory the running ones hold."""
+        return self._admission.stats()
 
     def generate(
         self,
@@ -177,6 +198,8 @@ class HFBackend:
         cached_blocks: Sequence[torch.Tensor],
         params: SamplingParams,
         on_block: BlockCallback | None = None,
+        *,
+        reservation: KVReservation | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
         if params.n != 1:
@@ -184,41 +207,85 @@ class HFBackend:
                 f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
                 param="n",
             )
-        plan = self._plan(token_ids, cached_blocks, reserve=params.max_tokens, prefill_only=False)
+        plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False)
         decoding = Decoding(
             sampler=Sampler(params, self.device),
             text=TextStream(self.decode, plan.prompt, params.stop),
             eos_ids=self._eos_ids,
             max_tokens=params.max_tokens,
         )
-        return self._stream(plan, decoding, on_block if self.prefix_reuse else None)
+        return self._stream(plan, decoding, on_block if self.prefix_reuse else None, reservation)
 
     async def prefill(
         self,
         token_ids: Sequence[int],
         cached_blocks: Sequence[torch.Tensor],
         on_block: BlockCallback | None,
+        *,
+        reservation: KVReservation | None = None,
     ) -> int:
         """Compute the prompt's full blocks past `cached_blocks`, hand them to `on_block`, return tokens computed."""
-        if not self.prefix_reuse:
-            raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
-        plan = self._plan(token_ids, cached_blocks, reserve=0, prefill_only=True)
-        if plan.prefill_end <= len(plan.cached_blocks) * plan.block_size:
-            return 0
-        handoff = LoopHandoff(asyncio.get_running_loop())
-        job = GenerationJob(
-            self._scheduler.next_job_id(), self._runner, self._buffers, plan, handoff, decoding=None, on_block=on_block
-        )
-        self._scheduler.submit(job)
         try:
-            item = await handoff.get()
+            if not self.prefix_reuse:
+                raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
+            plan = self._plan(token_ids, cached_blocks, max_tokens=0, prefill_only=True)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        if plan.prefill_end <= len(plan.cached_blocks) * plan.block_size:
+            if reservation is not None:
+                reservation.release()
+            return 0
+        async for item in self._run(plan, None, on_block, reservation):
+            assert isinstance(item, int)
+            return item
+        raise AssertionError("a prefill-only sequence ends with its token count")
+
+    def _stream(
+        self,
+        plan: SequencePlan,
+        decoding: Decoding,
+        on_block: BlockCallback | None,
+        reservation: KVReservation | None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        async def tokens() -> AsyncGenerator[TokenChunk, None]:
+            async for item in self._run(plan, decoding, on_block, reservation):
+                assert isinstance(item, TokenChunk)
+                yield item
+                if item.finish_reason is not None:
+                    return
+
+        return tokens()
+
+    async def _run(
+        self,
+        plan: SequencePlan,
+        decoding: Decoding | None,
+        on_block: BlockCallback | None,
+        reservation: KVReservation | None,
+    ) -> AsyncGenerator[TokenChunk | int, None]:
+        """Admit the sequence (unless `reservation` is its admission), run it on the worker, pass on its results."""
+        max_tokens = decoding.max_tokens if decoding is not None else 0
+        memory = reservation if reservation is not None else await self.reserve(len(plan.prompt), max_tokens)
+        handoff = LoopHandoff(asyncio.get_running_loop())
+        seq = sequence.Sequence(self._worker.next_seq_id(), plan, memory, handoff, decoding=decoding, on_block=on_block)
+        try:
+            self._worker.submit(seq)
+        except BaseException:
+            memory.release()
+            raise
+        try:
+            while True:
+                item = await handoff.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
+            # Reached on normal end, on aclose() of the stream, on task cancellation and on errors alike: the worker
+            # drops the sequence before its next step and gives its KV memory back.
             handoff.close()
-            job.cancel()
-        if isinstance(item, BaseException):
-            raise item
-        assert isinstance(item, int)
-        return item
+            seq.cancel()
 
     async def aclose(self) -> None:
         """Stop the worker: cancel running work and wait for the step in progress."""
@@ -226,40 +293,26 @@ class HFBackend:
 
     def close(self) -> None:
         """Stop the worker from synchronous code (see aclose)."""
-        self._scheduler.close()
+        self._worker.close()
 
-    async def _stream(
-        self, plan: JobPlan, decoding: Decoding, on_block: BlockCallback | None
-    ) -> AsyncGenerator[TokenChunk, None]:
-        handoff = LoopHandoff(asyncio.get_running_loop())
-        job = GenerationJob(
-            self._scheduler.next_job_id(),
-            self._runner,
-            self._buffers,
-            plan,
-            handoff,
-            decoding=decoding,
-            on_block=on_block,
-        )
-        self._scheduler.submit(job)
-        try:
-            while True:
-                item = await handoff.get()
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, TokenChunk)
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            # Reached on normal end, on aclose() of this generator, on task cancellation and on errors alike:
-            # the worker drops the job before its next step.
-            handoff.close()
-            job.cancel()
+    def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.context_length
+        if prompt_tokens > limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens}; "
+                "shorten the prompt",
+                param="prompt",
+            )
+        if prompt_tokens + max_tokens > limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} and "
+                f"max_tokens asks for {max_tokens} more; lower max_tokens to at most {limit - prompt_tokens}",
+                param="max_tokens",
+            )
 
     def _plan(
-        self, token_ids: Sequence[int], cached_blocks: Sequence[torch.Tensor], *, reserve: int, prefill_only: bool
-    ) -> JobPlan:
+        self, token_ids: Sequence[int], cached_blocks: Sequence[torch.Tensor], *, max_tokens: int, prefill_only: bool
+    ) -> SequencePlan:
         prompt = [int(t) for t in token_ids]
         if not prompt:
             raise RequestError("the prompt is empty; send at least one token", param="prompt")
@@ -268,19 +321,7 @@ class HFBackend:
                 f"token ids must be between 0 and {self._vocab_size - 1} for model {self.model_id!r}",
                 param="prompt",
             )
-        limit = self.context_length
-        if len(prompt) > limit:
-            raise ContextLengthError(
-                f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt)}; "
-                "shorten the prompt",
-                param="prompt",
-            )
-        if len(prompt) + reserve > limit:
-            raise ContextLengthError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {len(prompt)} and "
-                f"max_tokens asks for {reserve} more; lower max_tokens to at most {limit - len(prompt)}",
-                param="max_tokens",
-            )
+        self._check_length(len(prompt), max_tokens)
         if cached_blocks and not self.prefix_reuse:
             raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
         check_blocks(cached_blocks, self.geometry)
@@ -293,32 +334,64 @@ class HFBackend:
         # Generation needs the last prompt token's logits, so at least that token is computed: when blocks cover
         # the whole prompt the last one is dropped and recomputed (blocks are whole, tokens cannot be split off).
         usable = len(prompt) // size if prefill_only else (len(prompt) - 1) // size
-        return JobPlan(
+        return SequencePlan(
             prompt=prompt,
             cached_blocks=list(cached_blocks[:usable]),
             known_blocks=len(cached_blocks),
             prefill_end=usable * size if prefill_only else len(prompt),
-            capacity=self._capacity(len(prompt), reserve),
             block_size=size,
-            # Chunked prefill continues a restored cache, which is just what a refused model cannot be trusted to
-            # do (state-space layers in transformers recompute from scratch on a multi-token step): one pass.
-            chunk_tokens=self._prefill_chunk_tokens if self.prefix_reuse else len(prompt),
         )
 
-    def _capacity(self, prompt_tokens: int, max_tokens: int) -> int:
-        # Room for the prompt and the start of the answer; a longer answer grows the cache as it goes.
-        return prompt_tokens + max(0, min(max_tokens, _FIRST_ANSWER_TOKENS, self.context_length - prompt_tokens))
+    def _first_capacity(self, prompt_tokens: int, max_tokens: int) -> int:
+        # Room for the prompt and the start of the answer; a longer answer grows the buffer as it goes.
+        return prompt_tokens + min(max_tokens, _FIRST_ANSWER_TOKENS)
 
-    def _probe_layout(self) -> str | None:
-        """Run one token through the model and check its cache against the geometry; describe a mismatch."""
-        cache = DynamicCache(config=self._model.config)
+    def _probe_packed(self) -> str | None:
+        """Switch the model to packed attention and run one token through it; undo it and say why if that fails.
+
+        A buffer of the block geometry, filled with NaN, must come back with that token's K and V in every layer:
+        a shape that differs from the geometry fails the write, and a layer that does not call prefixgate's
+        attention (custom model code) leaves its NaN.
+        """
+        g = self.geometry
+        # buffer: [layers, 2, kv_heads, 1, head_dim]
+        buffer = torch.full((g.layers, 2, g.kv_heads, 1, g.head_dim), float("nan"), dtype=g.dtype, device=self.device)
+        problem = None
         try:
+            self._runner.pack()
             with torch.inference_mode():
-                self._runner.forward([0], cache)
+                self._runner.run([StepInput([0], buffer, 0)])
         except Exception as exc:  # any failure here means we cannot vouch for the cache layout
-            return f"a one-token probe of the KV cache failed ({type(exc).__name__}: {exc})"
-        problem = cache_layout_problem(cache, self.geometry, seq_len=1)
-        return None if problem is None else f"its KV cache does not have the block layout: {problem}"
+            problem = f"a one-token packed step failed ({type(exc).__name__}: {exc})"
+        else:
+            if not bool(torch.isfinite(buffer).all()):
+                problem = "a one-token packed step left KV positions unwritten: some layers keep K and V elsewhere"
+        if problem is not None:
+            self._runner.unpack()
+            return f"its KV cache does not have the block layout: {problem}"
+        return None
+
+
+def default_kv_memory_budget(device: torch.device) -> int:
+    """Return the KV memory running requests may hold by default: half the device's free memory, a quarter on a CPU.
+
+    A CPU shares its memory with the host tier and everything else on the machine, hence the smaller share.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return max(1, free // 2)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, available // 4)
+
+
+def default_interleaved_prefill_tokens(device: torch.device, prefill_chunk_tokens: int) -> int:
+    """Return how many prompt tokens a step computes beside running streams by default.
+
+    On a GPU a step's time barely grows with a few hundred more tokens, so prompts keep their full chunk. On a CPU
+    it grows with every token (SmolLM2 on 2 cores: 64 prompt tokens add about 4x a decode step's time), so the
+    default keeps running streams within a few times their pace.
+    """
+    return prefill_chunk_tokens if device.type == "cuda" else min(prefill_chunk_tokens, _CPU_INTERLEAVED_TOKENS)
 
 
 def _default_device() -> torch.device:

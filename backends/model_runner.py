@@ -1,16 +1,28 @@
-"""The model runner: one forward pass of a causal LM over new tokens, extending a KV cache in place."""
+"""The model runner: one forward pass of a causal LM for a whole step, many requests packed into one row."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from prefixgate.backends import attention
+from prefixgate.backends.attention import PackedBatch, Segment
 from prefixgate.errors import UnsupportedModelError
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # newest name first
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """One request's share of a packed step: the tokens to feed after what its buffer already holds."""
+
+    token_ids: Sequence[int]
+    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim], filled up to `start`
+    start: int
 
 
 class ModelRunner:
@@ -31,17 +43,51 @@ class ModelRunner:
                 "prefixgate needs a causal LM that accepts a KV cache"
             )
         self.cache_argument = names[0]
-        # Asking for the last position's logits only saves a [chunk, vocab] matrix per prefill chunk.
-        self._keeps_last_logits = "logits_to_keep" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        self._unpacked = str(model.config._attn_implementation)
 
-    def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
-        """Feed `token_ids` after what `cache` holds, extend it in place, and return the last position's logits."""
+    def pack(self) -> None:
+        """Run this model's attention as packed attention from now on (see `attention.py`)."""
+        self.model.set_attn_implementation(attention.NAME)
+
+    def unpack(self) -> None:
+        """Go back to the attention the model had before `pack()`."""
+        if self._unpacked != attention.NAME:
+            self.model.set_attn_implementation(self._unpacked)
+
+    def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
+        """Feed every input's tokens in one packed forward pass; return each input's last-position logits.
+
+        Each input's new K and V land in its buffer at positions `[start, start + len(token_ids))`.
+        """
+        assert self._takes_logits_to_keep, "packed steps need logits_to_keep (every packed model has it)"
+        batch = PackedBatch.of(tuple(Segment(i.kv, i.start, len(i.token_ids)) for i in inputs))
+        ids = [token for i in inputs for token in i.token_ids]
+        positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # position_ids: [1, total]
+        last = torch.tensor(batch.cu_seqlens[1:], device=self.device) - 1  # last: [segments], each one's last token
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=last,
+            **{attention.BATCH_ARGUMENT: batch},
+        )
+        logits = output.logits  # logits: [1, segments, vocab]
+        assert isinstance(logits, torch.Tensor)
+        return logits[0].float()
+
+    def run_alone(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
+        """Feed `token_ids` after what transformers' own `cache` holds; return the last position's logits.
+
+        For models whose cache is not per-token K and V (state-space, hybrid layers): they run one request a step.
+        """
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # ids: [1, new]
         kwargs: dict[str, object] = {self.cache_argument: cache, "use_cache": True}
-        if self._keeps_last_logits:
+        if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        # Position ids are left to the model: it counts them from the cache length, and for models with special
-        # position schemes (e.g. multimodal RoPE) its own rule is the right one.
+        # Position ids are left to the model: it counts them from the cache length.
         logits = self.model(input_ids=input_ids, **kwargs).logits  # logits: [1, kept, vocab]
         assert isinstance(logits, torch.Tensor)
         return logits[0, -1].float()  # logits: [vocab]

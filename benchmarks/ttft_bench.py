@@ -5,9 +5,9 @@ prefix length it measures, in one run:
 - cold: nothing cached, the whole prompt is computed (in the backend's prefill chunks);
 - warm from each tier: the prefix's blocks fetched from a store holding them only in that tier (device, host or
   disk; on a machine without a GPU the device tier is a pool in CPU memory, and disk reads come from the page
-  cache) into a buffer the backend lends, as the engine does, then only the question computed;
-- ideal: the prefix's cache object (the backend's own kind) kept in memory and reused directly, no store: the floor
-  for any cache.
+  cache) into the buffer the request reserved, as the engine does, then only the question computed;
+- ideal: the prefix's K and V kept in a KV buffer and the question computed after it in a packed step, no store and
+  no admission: the floor for any cache.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from prefixgate.backends import HFBackend, SamplingParams
-from prefixgate.backends.kv_cache import build_cache
-from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.backends import HFBackend, KVReservation, SamplingParams
+from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
 
 QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
@@ -45,9 +44,14 @@ def document_tokens(backend: HFBackend, count: int) -> list[int]:
     return tokens[:count]
 
 
-async def first_token_seconds(backend: HFBackend, tokens: Sequence[int], blocks: Sequence[torch.Tensor]) -> float:
+async def first_token_seconds(
+    backend: HFBackend,
+    tokens: Sequence[int],
+    blocks: Sequence[torch.Tensor],
+    reservation: KVReservation | None = None,
+) -> float:
     start = time.perf_counter()
-    stream = backend.generate(tokens, blocks, FIRST_TOKEN)
+    stream = backend.generate(tokens, blocks, FIRST_TOKEN, reservation=reservation)
     await anext(stream)
     seconds = time.perf_counter() - start
     await stream.aclose()
@@ -98,10 +102,10 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
         for _ in range(repeats):
             for tier, store in stores.items():
                 start = time.perf_counter()
-                buffer = backend.kv_buffer(len(tokens), FIRST_TOKEN.max_tokens)
-                hit = await asyncio.to_thread(store.fetch, namespace, tokens, buffer)
+                reservation = await backend.reserve(len(tokens), FIRST_TOKEN.max_tokens)
+                hit = await asyncio.to_thread(store.fetch, namespace, tokens, reservation.buffer)
                 assert hit.tiers == (tier,) * count, hit.tiers
-                await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks])
+                await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks], reservation)
                 samples[tier].append(time.perf_counter() - start)
             samples["ideal"].append(await asyncio.to_thread(ideal.first_token_seconds, question))
     times.update({name: statistics.median(values) for name, values in samples.items()})
@@ -109,25 +113,26 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
 
 
 class IdealCache:
-    """The prefix's cache object, of the backend's own kind, computed once and reused as it is: no store."""
+    """The prefix's K and V, computed once into a KV buffer and reused as they are: no store, no admission."""
 
     def __init__(self, backend: HFBackend, prefix: Sequence[int], question_tokens: int) -> None:
-        self.runner = ModelRunner(backend._model)
-        buffer = backend.kv_buffer(len(prefix) + question_tokens, 1)
-        assert buffer is not None
-        self.cache = build_cache(buffer, 0, self.runner.config)
+        self.runner = ModelRunner(backend._model)  # the backend packed the model: its runner's steps are packed
+        self.prefix = len(prefix)
+        reservation = KVReservation(
+            backend._buffers, len(prefix) + question_tokens, len(prefix) + question_tokens, lambda: None
+        )
+        assert reservation.buffer is not None
+        self.buffer = reservation.buffer  # buffer: [layers, 2, kv_heads, capacity, head_dim]
         with torch.inference_mode():
             for begin in range(0, len(prefix), 512):
-                self.runner.forward(prefix[begin : begin + 512], self.cache)
+                self.runner.run([StepInput(prefix[begin : begin + 512], self.buffer, begin)])
 
     def first_token_seconds(self, question: Sequence[int]) -> float:
-        """Compute the question after the prefix and pick the first token; leave the cache holding the prefix."""
+        """Compute the question after the prefix and pick the first token; its K and V are overwritten next time."""
         with torch.inference_mode():
             start = time.perf_counter()
-            int(self.runner.forward(question, self.cache).argmax())
-            seconds = time.perf_counter() - start
-            self.cache.crop(-len(question))  # back to the prefix alone
-        return seconds
+            int(self.runner.run([StepInput(question, self.buffer, self.prefix)])[0].argmax())
+            return time.perf_counter() - start
 
 
 async def main() -> None:

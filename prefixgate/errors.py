@@ -48,6 +48,14 @@ class RequestError(PrefixgateError, ValueError):
         self.param = param
 
 
+class OverloadedError(PrefixgateError):
+    """The server is at capacity and its wait queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ContextLengthError(RequestError):
     """The prompt (plus the requested tokens) does not fit the model's context."""
 

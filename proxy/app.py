@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
-from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
+from prefixgate.errors import ContextLengthError, OverloadedError, PrefixgateError, RequestError
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
@@ -41,8 +41,12 @@ async def build_engine(settings: Settings) -> Engine:
         settings.model,
         dtype=None if settings.dtype == "auto" else settings.dtype,
         block_size=settings.block_size,
-        prefill_chunk_tokens=settings.prefill_chunk_tokens,
         model_cache_dir=settings.model_cache_dir,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        interleaved_prefill_tokens=settings.interleaved_prefill_tokens,
+        kv_memory_budget=None if settings.kv_memory_budget is None else int(settings.kv_memory_budget),
+        max_running=settings.max_running,
+        max_waiting=settings.max_waiting,
         kv_buffer_budget=int(settings.kv_buffer_budget),
     )
     geometry = backend.geometry
@@ -157,7 +161,8 @@ async def metrics(request: web.Request) -> web.Response:
     """GET /metrics, in Prometheus text format."""
     engine = request.app[ENGINE]
     tiers = await asyncio.to_thread(engine.store.stats)
-    return web.Response(text=engine.stats.prometheus(tiers), content_type="text/plain", charset="utf-8")
+    text = engine.stats.prometheus(tiers, engine.backend.admission())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 # -- rendering ----------------------------------------------------------------------------------------------------
@@ -264,6 +269,9 @@ async def _request_ids(request: web.Request, handler: Handler) -> web.StreamResp
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except OverloadedError as error:
+        body = api.error_body(str(error), "rate_limit_error", code="server_overloaded")
+        return web.json_response(body, status=429, headers={"Retry-After": str(error.retry_after)})
     except PrefixgateError as error:
         status, body = _error_response(error)
         return web.json_response(body, status=status)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from prefixgate.backends import Backend, BlockCallback, SamplingParams, TokenChunk
-from prefixgate.errors import RequestError
+from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
     CanonicalRules,
@@ -163,26 +163,33 @@ class Engine:
         started = time.perf_counter()
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
         prepared = await self.prepare(request)
-        # The prefix is fetched straight into the memory the request's cache will run in.
-        buffer = self.backend.kv_buffer(len(prepared.token_ids), request.params.max_tokens)
-        hit, owned = await self._claim(prepared, buffer)
-        if buffer is not None and not hit.blocks:
-            self.backend.return_kv_buffer(buffer)  # nothing to adopt in it: the job takes it back from the pool
+        # Admission first (the context check, then a share of KV memory), so nothing is allocated for a request
+        # that cannot run; then the prefix is fetched straight into the memory the request's cache will run in.
         try:
+            reservation = await self.backend.reserve(len(prepared.token_ids), request.params.max_tokens)
+        except OverloadedError:
+            self.stats.count_rejected()
+            raise
+        owned: list[BlockKey] = []
+        try:
+            hit, owned = await self._claim(prepared, reservation.buffer)
             stream = self.backend.generate(
                 prepared.token_ids,
                 [block.kv for block in hit.blocks],
                 request.params,
                 on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
+                reservation=reservation,  # the stream owns it from here, and releases it when it ends
             )
+        except BaseException as error:
+            reservation.release()
+            self._fail(owned, error)
+            raise
+        try:
             # The blocks are the request's cache now: keep only where they came from.
-            hit = replace(hit, blocks=())
-            generation = Generation(self, request_id, prepared, hit, stream, owned, started)
+            generation = Generation(self, request_id, prepared, replace(hit, blocks=()), stream, owned, started)
             await generation.start()
         except BaseException as error:
-            self._release(owned)
-            if not isinstance(error, asyncio.CancelledError):  # a client that left is not an error
-                self.stats.count_error()
+            self._fail(owned, error)
             raise
         return generation
 
@@ -198,7 +205,7 @@ class Engine:
     async def warm(self, request: PromptRequest, *, pinned: bool = False, ttl: float | None = None) -> WarmResult:
         """Compute and store every full block of the prompt without generating; `pinned` and `ttl` apply to all."""
         prepared = await self.prepare(request)
-        hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+        reservation = await self.backend.reserve(len(prepared.token_ids), 0)
         computed: list[Block] = []
 
         def on_block(index: int, tokens: Sequence[int], kv: torch.Tensor) -> None:
@@ -206,7 +213,14 @@ class Engine:
             parent = prepared.keys[index - 1] if index else None
             computed.append(Block(prepared.keys[index], tuple(tokens), kv, parent=parent, tenant=prepared.tenant))
 
-        computed_tokens = await self.backend.prefill(prepared.token_ids, [block.kv for block in hit.blocks], on_block)
+        try:
+            hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+        except BaseException:
+            reservation.release()
+            raise
+        computed_tokens = await self.backend.prefill(
+            prepared.token_ids, [block.kv for block in hit.blocks], on_block, reservation=reservation
+        )
         blocks = computed
         if pinned or ttl is not None:
             # Blocks cached already take the new attributes too; a ttl counts from now, not from their creation.
@@ -260,6 +274,11 @@ class Engine:
         for key in owned:
             self._inflight[key] = loop.create_future()
         return hit, owned
+
+    def _fail(self, owned: list[BlockKey], error: BaseException) -> None:
+        self._release(owned)
+        if not isinstance(error, asyncio.CancelledError):  # a client that left is not an error
+            self.stats.count_error()
 
     def _release(self, owned: list[BlockKey]) -> None:
         """Let waiters go on when a request ends, whether or not its blocks were stored."""

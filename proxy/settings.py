@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import (
     ByteSize,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -46,7 +47,23 @@ class Settings(BaseSettings):
         Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"
     )
     block_size: PositiveInt = Field(64, le=4096, description="tokens per cached KV block")
-    prefill_chunk_tokens: PositiveInt = Field(512, description="prompt tokens computed per forward pass")
+    prefill_chunk_tokens: PositiveInt = Field(
+        512, description="prompt tokens one forward pass computes while no stream is decoding"
+    )
+    interleaved_prefill_tokens: PositiveInt | None = Field(
+        None,
+        description="prompt tokens a forward pass computes beside decoding streams: lower keeps their pace, higher "
+        "starts new prompts sooner; default prefill_chunk_tokens with CUDA, 64 on CPU",
+    )
+    kv_memory_budget: ByteSize | None = Field(
+        None,
+        description="KV memory running requests may hold, each its prompt plus max_tokens; default half the free "
+        "GPU memory with CUDA, a quarter of the available memory on CPU",
+    )
+    max_running: PositiveInt = Field(64, description="most requests the model runs at once")
+    max_waiting: NonNegativeInt = Field(
+        256, description="most requests waiting for room; beyond it a request gets 429 with Retry-After"
+    )
     device_budget: ByteSize | None = Field(
         None, description="device tier bytes (e.g. 4GiB); default 4GiB with CUDA, 0 on CPU"
     )

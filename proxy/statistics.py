@@ -7,6 +7,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prefixgate.backends import AdmissionStats
 from prefixgate.store import TierStats
 
 # Seconds; from a cached short prompt to a cold 8k-token prefill on a CPU.
@@ -28,6 +29,7 @@ class EngineStats:
 
     requests: int = 0
     errors: int = 0
+    rejected: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: dict[str, int] = field(default_factory=dict)  # per tier
@@ -59,6 +61,11 @@ class EngineStats:
         with self._lock:
             self.completion_tokens += tokens
 
+    def count_rejected(self) -> None:
+        """Count a request refused because the server was at capacity."""
+        with self._lock:
+            self.rejected += 1
+
     def count_error(self) -> None:
         """Count a request that failed before its first token."""
         with self._lock:
@@ -76,12 +83,17 @@ class EngineStats:
                 tenants=dict(self.tenants),
             )
 
-    def prometheus(self, tiers: Sequence[TierStats]) -> str:
-        """Return the statistics, and the store's, in Prometheus text exposition format."""
+    def prometheus(self, tiers: Sequence[TierStats], admission: AdmissionStats | None = None) -> str:
+        """Return the statistics, the store's and admission's, in Prometheus text exposition format."""
         with self._lock:
             lines = [
                 *_counter("prefixgate_requests_total", "Requests that produced a first token.", self.requests),
                 *_counter("prefixgate_request_errors_total", "Requests that failed before a token.", self.errors),
+                *_counter(
+                    "prefixgate_rejected_requests_total",
+                    "Requests refused with 429: the wait queue was full.",
+                    self.rejected,
+                ),
                 *_counter("prefixgate_prompt_tokens_total", "Prompt tokens of all requests.", self.prompt_tokens),
                 *_counter(
                     "prefixgate_completion_tokens_total", "Tokens generated for all requests.", self.completion_tokens
@@ -127,6 +139,15 @@ class EngineStats:
                 f"# TYPE prefixgate_store_{counter}_total counter",
             ]
             lines += [f'prefixgate_store_{counter}_total{{tier="{t.name}"}} {getattr(t, counter)}' for t in tiers]
+        if admission is not None:
+            for name, help_text, value in (
+                ("running_requests", "Requests the model is running.", admission.running),
+                ("waiting_requests", "Requests waiting for room to run.", admission.waiting),
+                ("kv_memory_bytes", "KV memory reserved by running requests.", admission.bytes_in_use),
+                ("kv_memory_budget_bytes", "KV memory running requests may reserve.", admission.budget_bytes),
+            ):
+                lines += [f"# HELP prefixgate_{name} {help_text}", f"# TYPE prefixgate_{name} gauge"]
+                lines.append(f"prefixgate_{name} {value}")
         return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from prefixgate.backends import SamplingParams, StepRecord
-from prefixgate.backends.kv_cache import build_cache
-from prefixgate.backends.model_runner import ModelRunner
+from prefixgate.backends.model_runner import ModelRunner, StepInput
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import GREEDY, BlockSink, collect, transformers_greedy
 
@@ -29,6 +28,12 @@ def reference_cache(model: PreTrainedModel, token_ids: list[int]) -> DynamicCach
     return cache
 
 
+def reference_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """Return every position's logits from transformers itself, all tokens in one pass."""
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].float()  # logits: [tokens, vocab]
+
+
 def reference_block(cache: DynamicCache, index: int, size: int) -> torch.Tensor:
     """Slice block `index` out of a reference cache."""
     span = slice(index * size, (index + 1) * size)
@@ -47,38 +52,57 @@ async def prefilled_blocks(make_backend: BackendFactory, length: int) -> tuple[l
     return prompt, sink.blocks
 
 
+def buffer_from(blocks: list[torch.Tensor], capacity: int) -> torch.Tensor:
+    """Return a KV buffer of `capacity` tokens whose leading positions hold `blocks`."""
+    buffer = torch.zeros((*blocks[0].shape[:3], capacity, blocks[0].shape[4]))
+    buffer[:, :, :, : len(blocks) * 8] = torch.cat(blocks, dim=3)
+    return buffer  # buffer: [layers, 2, kv_heads, capacity, head_dim]
+
+
 async def test_logits_after_cached_prefix_match_full_recompute(
     make_backend: BackendFactory, llama: PreTrainedModel
 ) -> None:
     prompt, blocks = await prefilled_blocks(make_backend, 45)
+    runner = ModelRunner(llama)
+    runner.pack()
     with torch.inference_mode():
-        full = llama(torch.tensor([prompt])).logits[0]  # full: [45, vocab]
+        full = reference_logits(llama, prompt)  # full: [45, vocab]
         for cached in (1, 3, 5):
-            # Room for the prefix alone: the suffix grows the cache past its buffer.
-            buffer = torch.cat(blocks[:cached], dim=3)  # buffer: [layers, 2, kv_heads, cached * 8, head_dim]
-            cache = build_cache(buffer, cached * 8, llama.config)
-            suffix = torch.tensor([prompt[cached * 8 :]])
-            runner = ModelRunner(llama)
-            logits = llama(suffix, use_cache=True, **{runner.cache_argument: cache}).logits[0]  # [suffix, vocab]
-            torch.testing.assert_close(logits, full[cached * 8 :], atol=ATOL, rtol=0)
+            buffer = buffer_from(blocks[:cached], 64)
+            # The suffix one token at a time after the prefix, and in one chunk: each position's logits as in full.
+            for position in range(cached * 8, 45):
+                logits = runner.run([StepInput(prompt[position : position + 1], buffer, position)])
+                torch.testing.assert_close(logits[0], full[position], atol=ATOL, rtol=0)
+            logits = runner.run([StepInput(prompt[cached * 8 :], buffer_from(blocks[:cached], 64), cached * 8)])
+            torch.testing.assert_close(logits[0], full[-1], atol=ATOL, rtol=0)
 
 
-async def test_a_cache_cropped_back_to_its_prefix_continues_as_if_new(
+async def test_a_packed_step_gives_each_request_the_logits_it_would_get_alone(
     make_backend: BackendFactory, llama: PreTrainedModel
 ) -> None:
     prompt, blocks = await prefilled_blocks(make_backend, 45)
-    buffer = torch.cat([*blocks[:2], torch.zeros_like(blocks[0])], dim=3)  # 16 tokens and 8 spare
-    cache = build_cache(buffer, 16, llama.config)
+    other = make_prompt(30, offset=11)
     runner = ModelRunner(llama)
+    runner.pack()
     with torch.inference_mode():
-        first = runner.forward(prompt[16:20], cache)  # writes in place
-        assert cache.get_seq_length() == 20 and cache.layers[0].keys.data_ptr() == buffer[0, 0].data_ptr()
-        cache.crop(-4)
-        other = runner.forward(prompt[16:30], cache)  # overwrites positions 16..19, then outgrows the buffer
-        cache.crop(-14)
-        again = runner.forward(prompt[16:20], cache)
-    torch.testing.assert_close(again, first, atol=ATOL, rtol=0)
-    assert cache.get_seq_length() == 20 and not torch.equal(other, first)
+        full, other_full = reference_logits(llama, prompt), reference_logits(llama, other)
+        cached, decoding = buffer_from(blocks[:2], 64), buffer_from(blocks[:5], 64)
+        fresh = torch.zeros_like(cached)
+        # One step: a chunk after a cached prefix, a fresh prompt's first chunk, and a single token of a third.
+        logits = runner.run(
+            [
+                StepInput(prompt[16:30], cached, 16),
+                StepInput(other[:20], fresh, 0),
+                StepInput(prompt[40:41], decoding, 40),
+            ]
+        )
+        torch.testing.assert_close(logits[0], full[29], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], other_full[19], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[2], full[40], atol=ATOL, rtol=0)
+        # The next step continues each one from what the first step wrote into its buffer.
+        logits = runner.run([StepInput(other[20:], fresh, 20), StepInput(prompt[30:45], cached, 30)])
+        torch.testing.assert_close(logits[0], other_full[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], full[-1], atol=ATOL, rtol=0)
 
 
 async def test_greedy_continuation_is_token_identical_with_and_without_cached_blocks(
@@ -122,7 +146,7 @@ async def test_each_prefill_chunk_hands_back_its_completed_blocks_at_once(
     make_backend: BackendFactory, steps: list[StepRecord]
 ) -> None:
     events: list[str] = []
-    backend = make_backend(prefill_chunk_tokens=20, on_step=lambda r: events.append(f"{r.kind}:{r.tokens}"))
+    backend = make_backend(prefill_chunk_tokens=20, on_step=lambda r: events.append(f"prefill:{r.tokens('prefill')}"))
     await backend.prefill(make_prompt(64), [], lambda i, _t, _kv: events.append(f"block:{i}"))
     # Chunks end at tokens 20, 40, 60, 64: blocks 0-1, 2-4, 5-6, 7 complete in those chunks.
     assert events == [
@@ -143,9 +167,9 @@ async def test_full_prompt_hit_still_computes_the_last_token(
     steps.clear()
     again = BlockSink()
     hit = await collect(backend, prompt, sink.blocks[:4], on_block=again)
-    prefill = [s for s in steps if s.kind == "prefill"]
+    prefill = [s.tokens("prefill") for s in steps if s.tokens("prefill")]
     # All 4 blocks were offered; the last is dropped and its 8 tokens recomputed to get the last token's logits.
-    assert [s.tokens for s in prefill] == [8]
+    assert prefill == [8]
     assert hit.token_ids == full.token_ids
     assert 3 not in again.indices, "a block the caller passed in is never handed back"
 

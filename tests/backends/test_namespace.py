@@ -8,11 +8,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import Backend, KVGeometry
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
-from prefixgate.errors import BlockMismatchError, UnsupportedModelError
+from prefixgate.errors import BlockMismatchError
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import GREEDY, BlockSink, collect, transformers_greedy
 from tests.backends.test_kv_reuse import make_prompt
-from tests.backends.tiny_models import TINY_DECODER, make_llama, make_mistral, make_tokenizer
+from tests.backends.tiny_models import make_llama, make_mistral, make_tokenizer
 
 
 def test_geometry_describes_the_tiny_llama_blocks(make_backend: BackendFactory) -> None:
@@ -75,53 +75,19 @@ def test_a_block_that_does_not_match_the_geometry_is_rejected(
         backend.generate(make_prompt(30), [good, torch.zeros(shape, dtype=dtype)], GREEDY)
 
 
-async def test_a_sliding_window_model_is_refused_for_reuse(
+async def test_a_sliding_window_model_reuses_blocks_from_beyond_its_window(
     make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
 ) -> None:
+    # Every token's K and V stay in the request's buffer and attention applies the window, so blocks that fell out
+    # of the window are still the prefix a later request starts from.
     mistral = make_mistral(tokenizer, sliding_window=16)
     backend = make_backend(mistral, prefill_chunk_tokens=8)
-    assert not backend.prefix_reuse
-    assert backend.reuse_refusal is not None and "sliding-attention" in backend.reuse_refusal
-    assert "window 16" in backend.reuse_refusal
-    block = torch.zeros(backend.geometry.block_shape, dtype=backend.geometry.dtype)
-    with pytest.raises(UnsupportedModelError, match="cannot reuse KV blocks: sliding"):
-        backend.generate(make_prompt(30), [block], GREEDY)
-    with pytest.raises(UnsupportedModelError):
-        await backend.prefill(make_prompt(30), [], BlockSink())
-    sink = BlockSink()
+    assert backend.prefix_reuse and backend.reuse_refusal is None
     prompt = make_prompt(40)  # longer than the window
-    result = await collect(backend, prompt, on_block=sink)  # still serves, without reuse
-    assert result.token_ids == transformers_greedy(mistral, prompt, GREEDY.max_tokens)
-    assert sink.indices == [], "no blocks are handed back for a model that cannot reuse them"
-
-
-async def test_a_window_longer_than_the_context_is_a_plain_prefix(
-    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
-) -> None:
-    backend = make_backend(make_mistral(tokenizer, sliding_window=1024))  # context 512
-    assert backend.prefix_reuse
-    prompt = make_prompt(40)
     sink = BlockSink()
-    full = await collect(backend, prompt, on_block=sink)
-    assert (await collect(backend, prompt, sink.blocks[:3])).token_ids == full.token_ids
-
-
-def test_mixed_full_and_sliding_layers_are_refused(
-    tokenizer: PreTrainedTokenizerFast, make_backend: BackendFactory
-) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        **TINY_DECODER,
-        use_sliding_window=True,
-        sliding_window=32,
-        layer_types=["full_attention", "sliding_attention"],
-    )
-    backend = make_backend(Qwen2ForCausalLM(config))
-    assert not backend.prefix_reuse
-    assert backend.reuse_refusal is not None and "window 32" in backend.reuse_refusal
+    expected = transformers_greedy(mistral, prompt, GREEDY.max_tokens)
+    assert (await collect(backend, prompt, on_block=sink)).token_ids == expected
+    assert (await collect(backend, prompt, sink.blocks[:4])).token_ids == expected
 
 
 async def test_a_state_space_model_is_refused_for_reuse(

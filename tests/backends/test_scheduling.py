@@ -1,14 +1,13 @@
-"""The model thread interleaves requests step by step and drops a request as soon as its consumer leaves."""
+"""The model thread runs every request in each step and drops a request as soon as its consumer leaves."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends import SamplingParams, StepRecord, Work
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import BlockSink, collect
 from tests.backends.test_kv_reuse import make_prompt
@@ -23,14 +22,13 @@ async def test_closing_the_stream_cancels_the_job_within_one_step(
     stream = backend.generate(make_prompt(10), [], LONG)
     received = [await anext(stream), await anext(stream)]
     await stream.aclose()
-    steps_at_close = len([s for s in steps if s.job_id == 1])
-    # Another request runs to its end; round-robin would have given job 1 steps in between had it survived.
+    steps_at_close = len(steps_of(steps, 1))
+    # Another request runs to its end; sequence 1 would have shared its steps had it survived.
     await collect(backend, make_prompt(10), params=SamplingParams(max_tokens=20, temperature=0.0))
-    job_1 = [s for s in steps if s.job_id == 1]
-    assert len(job_1) <= steps_at_close + 1
-    assert len(job_1) < LONG.max_tokens
+    assert len(steps_of(steps, 1)) <= steps_at_close + 1
+    assert len(steps_of(steps, 1)) < LONG.max_tokens
     assert len(received) == 2
-    assert [s.job_id for s in steps[-20:]] == [2] * 20
+    assert [s.seq_ids() for s in steps[-20:]] == [(2,)] * 20
 
 
 async def test_breaking_out_of_the_loop_cancels_the_job(make_backend: BackendFactory, steps: list[StepRecord]) -> None:
@@ -38,7 +36,7 @@ async def test_breaking_out_of_the_loop_cancels_the_job(make_backend: BackendFac
     async for _chunk in backend.generate(make_prompt(10), [], LONG):
         break  # the generator is finalized by the event loop's async-generator hook, not by us
     await collect(backend, make_prompt(10), params=SamplingParams(max_tokens=30, temperature=0.0))
-    assert len([s for s in steps if s.job_id == 1]) < 30
+    assert len(steps_of(steps, 1)) < 30
 
 
 async def test_cancelling_the_consuming_task_cancels_the_job(
@@ -57,8 +55,8 @@ async def test_cancelling_the_consuming_task_cancels_the_job(
     await asyncio.gather(task, return_exceptions=True)
     steps_at_cancel = len(steps)
     await collect(backend, make_prompt(10), params=SamplingParams(max_tokens=20, temperature=0.0))
-    assert len([s for s in steps if s.job_id == 1]) <= steps_at_cancel + 1
-    assert len([s for s in steps if s.job_id == 1]) < LONG.max_tokens
+    assert len(steps_of(steps, 1)) <= steps_at_cancel + 1
+    assert len(steps_of(steps, 1)) < LONG.max_tokens
 
 
 async def test_blocks_handed_back_before_cancellation_stay_handed_back(
@@ -85,26 +83,33 @@ async def test_blocks_handed_back_before_cancellation_stay_handed_back(
     assert len(sink.indices) < 400, "the 4,000-token prefill must stop long before its 500 blocks"
 
 
-async def test_a_long_prefill_does_not_block_a_running_decode(
+async def test_a_long_prefill_joins_a_running_decode_in_small_chunks(
     make_backend: BackendFactory, steps: list[StepRecord]
 ) -> None:
-    backend = make_backend(prefill_chunk_tokens=8, on_step=steps.append)
+    backend = make_backend(prefill_chunk_tokens=64, interleaved_prefill_tokens=8, on_step=steps.append)
     decoding = backend.generate(make_prompt(10), [], SamplingParams(max_tokens=60, temperature=0.0))
-    await anext(decoding)  # job 1 is now decoding
+    await anext(decoding)  # sequence 1 is now decoding
 
     async def rest_of(stream: AsyncIterator[object]) -> int:
         return len([c async for c in stream])
 
-    long_prompt = make_prompt(300, offset=11)  # 38 prefill chunks of 8 tokens
+    long_prompt = make_prompt(300, offset=11)
     _, generation = await asyncio.gather(rest_of(decoding), collect(backend, long_prompt, params=LONG))
-    order = [(s.job_id, s.kind) for s in steps]
-    prefill_2 = [i for i, step in enumerate(order) if step == (2, "prefill")]
-    decode_1 = [i for i, step in enumerate(order) if step == (1, "decode")]
-    assert len(prefill_2) == 38
-    # While both run, steps alternate: job 1 decodes between every two prefill chunks of job 2.
-    during = [i for i in decode_1 if prefill_2[0] < i < prefill_2[-1]]
-    assert len(during) >= len(prefill_2) - 1
-    for a, b in itertools.pairwise(prefill_2):
-        if b < decode_1[-1]:
-            assert any(a < i < b for i in decode_1), f"prefill steps {a} and {b} ran back to back"
+    prefill_2 = [s for s in steps if Work(2, "prefill", s.tokens("prefill")) in s.work]
+    # Beside a running stream, each step takes 8 prompt tokens and sequence 1's next token, in one forward pass.
+    assert [s.tokens("prefill") for s in prefill_2] == [8] * 37 + [4]
+    assert all(s.seq_ids() == (1, 2) and s.tokens("decode") == 1 for s in prefill_2)
     assert generation.finish_reason in ("stop", "length")
+
+
+async def test_a_prompt_alone_is_prefilled_in_whole_chunks(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    backend = make_backend(prefill_chunk_tokens=64, interleaved_prefill_tokens=8, on_step=steps.append)
+    await collect(backend, make_prompt(300, offset=11), params=SamplingParams(max_tokens=2, temperature=0.0))
+    assert [s.tokens("prefill") for s in steps if s.tokens("prefill")] == [64, 64, 64, 64, 44]
+
+
+def steps_of(steps: list[StepRecord], seq_id: int) -> list[StepRecord]:
+    """Return the steps sequence `seq_id` took part in."""
+    return [s for s in steps if seq_id in s.seq_ids()]

@@ -55,6 +55,10 @@ def tiny_engine(
         model_id=MODEL,
         block_size=BLOCK_SIZE,
         prefill_chunk_tokens=16,
+        interleaved_prefill_tokens=settings.interleaved_prefill_tokens,
+        kv_memory_budget=None if settings.kv_memory_budget is None else int(settings.kv_memory_budget),
+        max_running=settings.max_running,
+        max_waiting=settings.max_waiting,
         kv_buffer_budget=int(settings.kv_buffer_budget),
         on_step=steps.append,
     )

@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends import KVReservation, SamplingParams, StepRecord
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
 from tests.proxy.conftest import tiny_engine
@@ -35,7 +34,7 @@ async def engine_and_steps(
 
 
 def prefill_tokens(steps: list[StepRecord]) -> int:
-    return sum(step.tokens for step in steps if step.kind == "prefill")
+    return sum(step.tokens("prefill") for step in steps)
 
 
 async def test_concurrent_requests_sharing_an_uncached_prefix_compute_it_once(
@@ -61,25 +60,32 @@ async def test_a_request_alone_computes_its_whole_prompt(engine_and_steps: tuple
     assert prefill_tokens(steps) == completion.usage.prompt_tokens
 
 
-async def test_each_request_runs_in_the_buffer_it_was_lent_cold_or_warm(
+async def test_each_request_runs_in_the_buffer_it_reserved_cold_or_warm(
     engine_and_steps: tuple[Engine, list[StepRecord]],
 ) -> None:
     engine, _ = engine_and_steps
-    lend = engine.backend.kv_buffer
-    lent: list[torch.Tensor | None] = []
+    reserve = engine.backend.reserve
+    reserved: list[KVReservation] = []
 
-    def recorded_lend(prompt_tokens: int, max_tokens: int) -> torch.Tensor | None:
-        lent.append(lend(prompt_tokens, max_tokens))
-        return lent[-1]
+    async def recorded_reserve(prompt_tokens: int, max_tokens: int) -> KVReservation:
+        reserved.append(await reserve(prompt_tokens, max_tokens))
+        return reserved[-1]
 
-    engine.backend.kv_buffer = recorded_lend  # type: ignore[method-assign]
-    cold = await engine.complete(chat("Hello there"))
-    warm = await engine.complete(chat("Hello there"))
-    assert cold.usage.cached_tokens == 0 < warm.usage.cached_tokens
-    # Nothing was fetched into the cold request's buffer: its job ran in it all the same, and gave it back, so the
-    # warm request was lent that same memory, already used, and so is the next one.
-    assert lent[0] is not None and lent[1] is lent[0]
-    assert lend(cold.usage.prompt_tokens, 4) is lent[0]
+    engine.backend.reserve = recorded_reserve  # type: ignore[method-assign]
+    buffers = []
+    for _ in range(2):
+        generation = await engine.generate(chat("Hello there"))
+        buffer = reserved[-1].buffer
+        assert buffer is not None
+        buffers.append(buffer.data_ptr())
+        async with generation:
+            _ = [chunk async for chunk in generation]
+    assert generation.usage().cached_tokens > 0
+    # The cold request ran in its reserved buffer and gave it back, so the warm one fetched into that same memory,
+    # already used; when a request ends its reservation holds nothing and admission counts nothing.
+    assert buffers[0] == buffers[1]
+    assert all(r.buffer is None for r in reserved)
+    assert engine.backend.admission().bytes_in_use == 0
 
 
 @pytest.mark.parametrize(("budget", "kept"), [("1MiB", True), ("0", False)])
@@ -88,10 +94,13 @@ async def test_kv_buffer_budget_bounds_the_buffers_kept_for_reuse(
 ) -> None:
     engine = tiny_engine(load_settings(store=tmp_path / "store", kv_buffer_budget=budget), tokenizer, llama, [])
     try:
-        lent = engine.backend.kv_buffer(100, 4)  # 256 tokens of the tiny model's KV: 64 KiB
-        assert lent is not None
-        engine.backend.return_kv_buffer(lent)
-        assert (engine.backend.kv_buffer(100, 4) is lent) == kept
+        first = await engine.backend.reserve(100, 4)  # 256 tokens of the tiny model's KV: 64 KiB
+        buffer = first.buffer  # held here, so its memory cannot come back as a new buffer's
+        assert buffer is not None
+        first.release()
+        second = await engine.backend.reserve(100, 4)
+        assert second.buffer is not None and (second.buffer.data_ptr() == buffer.data_ptr()) == kept
+        second.release()
     finally:
         await engine.close()
 

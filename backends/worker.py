@@ -1,0 +1,172 @@
+"""The worker: the one thread that owns the model and runs a step at a time for every running request.
+
+A step is data: the scheduler returns a plan (which sequences, how many tokens each), the runner computes it in one
+forward pass, and each sequence takes its result. Results go out after the step, so whoever sees a stream end also
+sees every step it took.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from prefixgate.backends.model_runner import ModelRunner, StepInput
+from prefixgate.backends.scheduler import Scheduled, Scheduler
+from prefixgate.backends.sequence import Sequence, StepKind
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What one sequence computed in a step."""
+
+    seq_id: int
+    kind: StepKind
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Describe one step the worker ran: each sequence's share, when it started and how long it took."""
+
+    work: tuple[Work, ...]
+    started: float
+    seconds: float
+
+    def tokens(self, kind: StepKind | None = None) -> int:
+        """Return the tokens computed in this step, of one kind or of both."""
+        return sum(w.tokens for w in self.work if kind is None or w.kind == kind)
+
+    def seq_ids(self) -> tuple[int, ...]:
+        """Return the ids of the sequences that took part."""
+        return tuple(w.seq_id for w in self.work)
+
+
+StepListener = Callable[[StepRecord], None]
+
+
+class Worker:
+    """Run sequences on one thread, all of them in every step, so no request waits for another to finish."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        name: str = "prefixgate-model",
+        on_step: StepListener | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._runner = runner
+        self._scheduler = scheduler
+        self._on_step = on_step
+        self._clock = clock
+        self._arrivals: list[Sequence] = []
+        self._running: list[Sequence] = []  # oldest first; touched by the worker thread only
+        self._wake = threading.Condition()
+        self._closed = False
+        self._ids = itertools.count(1)
+        # A daemon thread, so a process that forgets aclose() still exits; close() joins it properly.
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def next_seq_id(self) -> int:
+        """Return a fresh sequence id (1, 2, ... in submission order when taken just before submit)."""
+        return next(self._ids)
+
+    def submit(self, seq: Sequence) -> None:
+        """Add a sequence to the next step."""
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the backend is closed; create a new one to run more requests")
+            self._arrivals.append(seq)
+            self._wake.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking sequences, fail the running ones, and wait for the step in progress to end."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        """Say whether close() was called."""
+        return self._closed
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._arrivals and not self._running and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                self._running += self._arrivals
+                self._arrivals = []
+            # Cancellation is honoured here, before each step: a sequence whose consumer left costs at most one more.
+            for seq in [s for s in self._running if s.cancelled]:
+                seq.release()
+            self._running = [s for s in self._running if not s.cancelled]
+            plan = self._scheduler.plan(self._running)
+            if plan:
+                self._step(plan)
+            self._running = [s for s in self._running if not s.finished]
+        for seq in self._running + self._arrivals:
+            seq.fail(RuntimeError("the backend was closed while this request was running"))
+
+    def _step(self, plan: list[Scheduled]) -> None:
+        started = self._clock()
+        try:
+            with torch.inference_mode():
+                logits = self._forward(plan)  # logits: [sequences, vocab]
+        except Exception as error:
+            if len(plan) == 1:  # the request fails, the worker keeps serving the others
+                _log.debug("sequence %d failed", plan[0].seq.seq_id, exc_info=True)
+                plan[0].seq.fail(error)
+                return
+            # One sequence's input broke the whole step: run each alone, so only that one fails. A sequence's K
+            # and V for this step are rewritten by its rerun, since it has not advanced.
+            for item in plan:
+                self._step([item])
+            return
+        work = []
+        for item, row in zip(plan, logits, strict=True):
+            try:
+                with torch.inference_mode():
+                    kind = item.seq.advance(item.tokens, row)
+            except Exception as error:  # its block callback or sampler failed: that request alone ends
+                _log.debug("sequence %d failed", item.seq.seq_id, exc_info=True)
+                item.seq.fail(error)
+                continue
+            work.append(Work(item.seq.seq_id, kind, item.tokens))
+        if self._on_step is not None:
+            try:
+                self._on_step(StepRecord(tuple(work), started, self._clock() - started))
+            except Exception:  # a broken listener must not take the worker down with it
+                _log.exception("step listener failed")
+        for item in plan:
+            item.seq.publish()
+
+    def _forward(self, plan: list[Scheduled]) -> torch.Tensor:
+        if self._scheduler.packed:
+            inputs = []
+            for item in plan:
+                token_ids = item.seq.feed(item.tokens)
+                buffer = item.seq.memory.buffer
+                assert buffer is not None, "packed steps run in KV buffers"
+                inputs.append(StepInput(token_ids, buffer, item.seq.computed))
+            return self._runner.run(inputs)
+        (item,) = plan
+        seq = item.seq
+        if seq.cache is None:
+            seq.cache = DynamicCache(config=self._runner.config)
+        return self._runner.run_alone(seq.feed(item.tokens), seq.cache).unsqueeze(0)

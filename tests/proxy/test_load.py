@@ -1,0 +1,125 @@
+"""Many clients at once over HTTP: each request completes or is refused with 429, none hangs, memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from aiohttp.test_utils import TestClient
+
+from prefixgate.backends import StepRecord
+from prefixgate.proxy.engine import Engine
+from tests.proxy.conftest import MODEL, Serve, chat_body, engine_of
+
+CLIENTS = 48
+BUDGET_BYTES = 6 * 512 * 512  # six requests of 512 tokens (prompt and max_tokens), at 512 bytes a token
+HANG_GUARD_SECONDS = 300  # not a timing margin: a request still open after this long has hung
+
+
+class AdmissionWatch(list[StepRecord]):
+    """Record each step, with the running count and reserved KV bytes admission reports as it runs."""
+
+    engine: Engine | None = None
+    admitted: list[tuple[int, int]]
+
+    def append(self, record: StepRecord) -> None:
+        super().append(record)
+        if self.engine is not None:
+            stats = self.engine.backend.admission()
+            self.admitted.append((stats.running, stats.bytes_in_use))
+
+
+@pytest.fixture
+def steps() -> list[StepRecord]:
+    watch = AdmissionWatch()
+    watch.admitted = []
+    return watch
+
+
+def document(index: int) -> str:
+    """Return a long prompt of its own for client `index` (about 300 tokens of the tiny tokenizer)."""
+    return f"Report {index}. " + " ".join(f"item {index * 31 + i} costs {i * 7 % 50} units;" for i in range(12))
+
+
+async def one_client(client: TestClient[Any, Any], index: int, leave_after: int | None) -> str:
+    """Stream one answer; leave after `leave_after` chunks if given. Say how it ended: done, left or 429."""
+    body = chat_body(document(index), max_tokens=32, stream=True)
+    async with client.post("/v1/chat/completions", json=body) as response:
+        if response.status == 429:
+            assert response.headers["Retry-After"] == "1"
+            error = (await response.json())["error"]
+            assert error["type"] == "rate_limit_error" and "at capacity" in error["message"]
+            return "429"
+        assert response.status == 200, await response.text()
+        chunks = 0
+        async for line in response.content:
+            if line.startswith(b"data: [DONE]"):
+                return "done"
+            if line.startswith(b"data: "):
+                chunks += 1
+                if leave_after is not None and chunks == leave_after:
+                    response.close()  # the client drops its connection midway
+                    return "left"
+    raise AssertionError("the stream ended without [DONE]")
+
+
+async def test_48_streaming_clients_complete_or_get_429_and_the_server_serves_on(
+    serve: Serve, steps: AdmissionWatch
+) -> None:
+    client = await serve(max_running=8, max_waiting=12, kv_memory_budget=BUDGET_BYTES)
+    steps.engine = engine_of(client)
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(one_client(client, i, 4 if i % 3 == 0 else None) for i in range(CLIENTS))),
+        HANG_GUARD_SECONDS,
+    )
+    assert set(outcomes) <= {"done", "left", "429"}
+    assert outcomes.count("done") >= 6 and outcomes.count("left") >= 1
+    # Six requests fit the budget: never more ran in one step, and admission never held more.
+    assert max(len(step.seq_ids()) for step in steps) <= 6
+    assert max(nbytes for _running, nbytes in steps.admitted) <= BUDGET_BYTES
+    assert max(running for running, _nbytes in steps.admitted) == 6, "six ran at once at some point"
+    # A client that left is noticed when the server next writes to it; then its request ends at the next step.
+    backend = engine_of(client).backend
+    await asyncio.wait_for(until(lambda: backend.admission().running == 0), HANG_GUARD_SECONDS)
+    stats = backend.admission()
+    assert (stats.running, stats.waiting, stats.bytes_in_use) == (0, 0, 0)
+    metrics = (await (await client.get("/metrics")).text()).splitlines()
+    assert f"prefixgate_rejected_requests_total {outcomes.count('429')}" in metrics
+    assert "prefixgate_running_requests 0" in metrics and "prefixgate_kv_memory_bytes 0" in metrics
+    assert f"prefixgate_kv_memory_budget_bytes {BUDGET_BYTES}" in metrics
+    # The server and its store serve normally afterwards: a repeated prompt is served from the cache.
+    again = await client.post("/v1/chat/completions", json=chat_body(document(1), max_tokens=4))
+    assert again.status == 200
+    assert (await again.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Return once `condition()` holds, checking between the event loop's other work."""
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_queue_answers_429_with_retry_after_in_openai_shape(serve: Serve) -> None:
+    client = await serve(max_running=1, max_waiting=0)
+    running = await client.post("/v1/chat/completions", json=chat_body(max_tokens=300, stream=True))
+    assert running.status == 200
+    await running.content.readline()  # its first chunk: it is running now
+    api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert caught.value.response.headers["Retry-After"] == "1"
+    assert caught.value.code == "server_overloaded"
+    running.close()
+    await api.close()
+
+
+async def test_a_prompt_longer_than_the_context_gets_400_before_any_memory_is_reserved(serve: Serve) -> None:
+    client = await serve(kv_memory_budget=BUDGET_BYTES)
+    response = await client.post("/v1/chat/completions", json=chat_body("word " * 2000, max_tokens=4))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["code"] == "context_length_exceeded" and "maximum context length is 1024" in error["message"]
+    assert engine_of(client).backend.admission().bytes_in_use == 0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,9 +63,20 @@ async def collect(
     return Generation(token_ids, texts, finish)
 
 
+@contextlib.contextmanager
+def transformers_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Run the model with transformers' own eager attention inside the block, whatever a backend switched it to."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
 def transformers_greedy(model: PreTrainedModel, prompt: Sequence[int], max_tokens: int) -> list[int]:
-    """Return the greedy continuation from transformers' own `generate`, never stopping early."""
-    with torch.inference_mode():
+    """Return the greedy continuation from transformers' own `generate` and attention, never stopping early."""
+    with torch.inference_mode(), transformers_attention(model):
         output = model.generate(  # type: ignore[operator]
             torch.tensor([list(prompt)]),
             max_new_tokens=max_tokens,

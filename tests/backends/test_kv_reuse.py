@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer
 from prefixgate.backends import SamplingParams, StepRecord
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from tests.backends.conftest import BackendFactory
-from tests.backends.streams import GREEDY, BlockSink, collect, transformers_greedy
+from tests.backends.streams import GREEDY, BlockSink, collect, transformers_attention, transformers_greedy
 
 # float32 on CPU: a cached prefix and a full recompute differ only by summation order, far below this.
 ATOL = 1e-4
@@ -23,14 +23,14 @@ def make_prompt(length: int, offset: int = 3) -> list[int]:
 def reference_cache(model: PreTrainedModel, token_ids: list[int]) -> DynamicCache:
     """Run transformers itself over all tokens in one pass and return its cache."""
     cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
+    with torch.inference_mode(), transformers_attention(model):
         model(torch.tensor([token_ids]), use_cache=True, **{ModelRunner(model).cache_argument: cache})
     return cache
 
 
 def reference_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     """Return every position's logits from transformers itself, all tokens in one pass."""
-    with torch.inference_mode():
+    with torch.inference_mode(), transformers_attention(model):
         return model(torch.tensor([token_ids])).logits[0].float()  # logits: [tokens, vocab]
 
 

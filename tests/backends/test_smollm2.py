@@ -6,6 +6,7 @@ about a second.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import Iterator
@@ -91,3 +92,19 @@ async def test_a_shared_long_system_prompt_is_reused_and_gives_the_same_answer(s
     full = await collect(smollm2, second, params=ANSWER)
     assert reused.token_ids == full.token_ids
     assert reused.text == full.text
+
+
+async def test_questions_answered_together_get_the_answers_each_gets_alone(smollm2: HFBackend) -> None:
+    questions = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "What is 12 times 12?",
+        "Write a haiku about the sea.",
+    ]
+    prompts = [smollm2.render_chat([{"role": "user", "content": q}]) for q in questions]
+    alone = [await collect(smollm2, prompt, params=ANSWER) for prompt in prompts]
+    _steps.clear()
+    together = await asyncio.gather(*(collect(smollm2, prompt, params=ANSWER) for prompt in prompts))
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert "Paris" in together[0].text
+    assert max(len(step.seq_ids()) for step in _steps) == 4, "the four shared forward passes"

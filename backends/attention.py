@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 
 NAME = "prefixgate_packed"
 BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
+_SERIAL_WORK = 1 << 16  # query-key pairs up to which a segment attends on one CPU thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +72,29 @@ def packed_attention(
     assert isinstance(batch, PackedBatch)
     layer = int(getattr(module, "layer_idx"))  # noqa: B009  # every attention module of transformers has one
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
+    new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs = []
+    threads = torch.get_num_threads()
+    using = threads
+    # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
         start, end = segment.start, segment.start + segment.length
+        # A small segment's attention (a decode step's) is too little work to split: on a CPU one core does it
+        # sooner than several that must be woken and joined, which cost most when another core is busy.
+        wanted = 1 if query.device.type == "cpu" and segment.length * end <= _SERIAL_WORK else threads
+        if wanted != using:
+            torch.set_num_threads(wanted)
+            using = wanted
         stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
-        stored[0, :, start:end] = key[0, :, begin : begin + segment.length]
-        stored[1, :, start:end] = value[0, :, begin : begin + segment.length]
+        stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
         # Keys a query may see: none past its own position, none at or before `position - window`.
         low = 0 if sliding_window is None else max(0, start - int(sliding_window) + 1)
-        keys = stored[0, :, low:end].unsqueeze(0)  # keys: [1, kv_heads, seen, head_dim]
-        values = stored[1, :, low:end].unsqueeze(0)
-        queries = query[:, :, begin : begin + segment.length]  # queries: [1, heads, length, head_dim]
+        # SDPA's CPU kernels take 4-d inputs; 3-d ones fall back to a path several times slower.
+        seen = stored[:, :, low:end].unsqueeze(1)  # seen: [2, 1, kv_heads, seen, head_dim]
         mask = _mask(start, segment.length, low, end, sliding_window, query.device)
-        outputs.append(_attend(queries, keys, values, mask, scale, softcap))
+        outputs.append(_attend(query[:, :, begin : begin + segment.length], seen[0], seen[1], mask, scale, softcap))
+    if using != threads:
+        torch.set_num_threads(threads)
     out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # out: [1, heads, total, head_dim]
     assert out.shape[1] == heads
     return out.transpose(1, 2).contiguous(), None  # [1, total, heads, head_dim]
@@ -109,17 +120,17 @@ def _attend(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attend queries `[1, heads, q, d]` over keys and values `[1, kv_heads, k, d]`; return `[1, heads, q, d]`."""
-    groups = queries.shape[1] // keys.shape[1]
+    """Attend queries `[..., heads, q, d]` over keys and values `[..., kv_heads, k, d]`; return `[..., heads, q, d]`."""
+    groups = queries.shape[-3] // keys.shape[-3]
     if not softcap:
         # SDPA expands grouped K and V itself (enable_gqa), which on a CPU saves the copy a repeat would make.
         return torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
         )
     # Logit soft-capping (Gemma 2) has no SDPA kernel: the eager computation, as transformers' own eager path does.
-    keys = keys.repeat_interleave(groups, dim=1)
-    values = values.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # scores: [1, heads, q, k]
+    keys = keys.repeat_interleave(groups, dim=-3)
+    values = values.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(queries, keys.transpose(-2, -1)) * scale  # scores: [..., heads, q, k]
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

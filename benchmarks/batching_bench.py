@@ -1,0 +1,253 @@
+"""Serve many streams at once on SmolLM2 through HTTP, and measure what batching and chunked prefill give.
+
+Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about ten minutes; `--budgets 64` and
+`--batches 1 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory; every long
+prompt shares no prefix with another, so each is computed whole. It prints two tables:
+
+1. Aggregate decode tokens/s of 1, 4, 8, 16 and 32 concurrent streams (64 tokens each, greedy), counted while all of
+   them are decoding, with inter-token latency and time to first token; next to the limit, a plain batched forward
+   pass of the same model at the same batch size (one new token per row, short context), in this process.
+2. For each `interleaved_prefill_tokens` budget: the inter-token latency of 4 running streams while idle and while a
+   cold 8k-token prompt is prefilled beside them, and that prompt's time to first token next to its time alone.
+
+`--prefixgate PATH` runs another build's `prefixgate` executable (table 1 only needs flags every build has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+MODEL = "smollm2-135m"
+STREAM_TOKENS = 64
+LONG_PROMPT_TOKENS = 8000
+RUNNING_STREAMS = 4
+
+
+@dataclass
+class Stream:
+    """What one streamed answer delivered: when it was sent and when each piece of text arrived."""
+
+    sent: float
+    arrivals: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
+        """Return the gaps between consecutive pieces that both arrived within [start, end]."""
+        inside = [t for t in self.arrivals if start <= t <= end]
+        return [b - a for a, b in itertools.pairwise(inside)]
+
+
+@contextlib.asynccontextmanager
+async def served(executable: str, *flags: str) -> AsyncIterator[str]:
+    """Run `prefixgate serve` (store in memory) on a free local port; yield its base URL once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [executable, "serve", "--port", str(port), "--store", ""]
+    process = subprocess.Popen([*command, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"prefixgate serve exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{url}/health") as response:
+                        if response.status == 200:
+                            break
+                await asyncio.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait()
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, content: str, max_tokens: int, into: list[Stream] | None = None
+) -> Stream:
+    """Send one streamed chat request and record when each piece of its answer arrives (also in `into`, at once)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    record = Stream(time.perf_counter())
+    if into is not None:
+        into.append(record)
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            # A chunk with text; matched, not parsed, so the client takes little of the CPU the server runs on.
+            if line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+                record.arrivals.append(time.perf_counter())
+    return record
+
+
+async def concurrent_streams(url: str, count: int) -> tuple[float, float, float]:
+    """Run `count` streams at once; return decode tokens/s while all decode, inter-token p50 and TTFT p50."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        streams = await asyncio.gather(
+            *(
+                stream(session, url, f"Write a long story about the number {i * 1000}.", STREAM_TOKENS)
+                for i in range(count)
+            )
+        )
+    start = max(s.arrivals[0] for s in streams)  # all are decoding from here ...
+    end = min(s.arrivals[-1] for s in streams)  # ... to here
+    pieces = sum(len([t for t in s.arrivals if start < t <= end]) for s in streams)
+    gaps = [gap for s in streams for gap in s.gaps()]
+    return pieces / (end - start), statistics.median(gaps), statistics.median(s.ttft for s in streams)
+
+
+def batched_forward_limit(batches: Sequence[int]) -> dict[int, float]:
+    """Return tokens/s of a plain batched decode step of the model at each batch size (short context)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from prefixgate.backends import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL).folder), dtype=torch.float32)
+    model.eval()
+    limits = {}
+    with torch.inference_mode():
+        for batch in batches:
+            times = []
+            for _ in range(3):
+                cache = DynamicCache(config=model.config)
+                model(torch.randint(0, 1000, (batch, 32)), past_key_values=cache, use_cache=True)
+                for _ in range(8):  # the context grows from 32 to 40 tokens, as a short chat's does
+                    started = time.perf_counter()
+                    model(torch.randint(0, 1000, (batch, 1)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    times.append(time.perf_counter() - started)
+            limits[batch] = batch / statistics.median(times)
+    return limits
+
+
+def long_prompt(variant: int) -> str:
+    """Return a user message of about LONG_PROMPT_TOKENS tokens; variants differ from their first token on."""
+    from transformers import AutoTokenizer
+
+    from prefixgate.backends import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).folder))
+    lines = [
+        f"Entry {variant}.{i}: station {i % 17} logged {i * 37 % 101} readings at hour {i % 24}, "
+        f"with {i * 7 % 100} percent within range after calibration {i * 11}."
+        for i in range(1200)
+    ]
+    ids = tokenizer(f"Log {variant}.\n" + "\n".join(lines))["input_ids"][:LONG_PROMPT_TOKENS]
+    return str(tokenizer.decode(ids)) + "\nWhich station logged the most readings?"
+
+
+async def prefill_beside_streams(url: str, prompt: str, idle_seconds: float) -> tuple[float, float, float]:
+    """Run streams, then a cold long prompt beside them; return their ITL p50 idle and during, and its TTFT."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        records: list[Stream] = []
+        stop = asyncio.Event()
+
+        async def keep_streaming(i: int) -> None:
+            while not stop.is_set():  # an answer that ends is followed by another, so the stream never pauses
+                await stream(session, url, f"Write a long story about the number {i * 1000}.", 512, records)
+
+        runners = [asyncio.create_task(keep_streaming(i)) for i in range(RUNNING_STREAMS)]
+        await asyncio.sleep(3.0)  # past every stream's first token
+        idle_start = time.perf_counter()
+        await asyncio.sleep(idle_seconds)
+        long = await stream(session, url, prompt, 1)
+        stop.set()
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+    idle = [g for r in records for g in r.gaps(idle_start, long.sent)]
+    during = [g for r in records for g in r.gaps(long.sent, long.arrivals[0])]
+    return statistics.median(idle), statistics.median(during), long.ttft
+
+
+async def alone(url: str, prompt: str) -> float:
+    """Return the time to first token of one prompt with nothing else running."""
+    async with aiohttp.ClientSession() as session:
+        return (await stream(session, url, prompt, 1)).ttft
+
+
+def table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    print()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--budgets", type=int, nargs="*", default=[16, 64, 128, 256], help="interleaved tokens")
+    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    args = parser.parse_args()
+    import torch
+
+    print(f"SmolLM2-135M-Instruct, float32, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores\n")
+    if args.batches:
+        limits = batched_forward_limit(args.batches)
+        rows = []
+        async with served(args.prefixgate) as url:
+            await concurrent_streams(url, 2)  # warm up
+            for count in args.batches:
+                rate, itl, ttft = await concurrent_streams(url, count)
+                rows.append(
+                    [
+                        str(count),
+                        f"{rate:.1f}",
+                        f"{limits[count]:.1f}",
+                        f"{rate / limits[count]:.2f}x",
+                        f"{itl * 1e3:.0f} ms",
+                        f"{ttft:.2f} s",
+                    ]
+                )
+        print(f"Concurrent streams of {STREAM_TOKENS} tokens, through HTTP:")
+        table(["streams", "tokens/s", "batched forward", "of limit", "inter-token p50", "TTFT p50"], rows)
+    if args.budgets:
+        rows = []
+        for index, budget in enumerate(args.budgets):
+            async with served(args.prefixgate, "--interleaved-prefill-tokens", str(budget)) as url:
+                await concurrent_streams(url, 2)  # warm up
+                # Two prompts of the same length that share no prefix: each is computed whole.
+                idle, during, ttft = await prefill_beside_streams(url, long_prompt(2 * index), idle_seconds=3.0)
+                by_itself = await alone(url, long_prompt(2 * index + 1))
+            rows.append(
+                [
+                    str(budget),
+                    f"{idle * 1e3:.0f} ms",
+                    f"{during * 1e3:.0f} ms",
+                    f"{during / idle:.1f}x",
+                    f"{ttft:.1f} s",
+                    f"{by_itself:.1f} s",
+                    f"{ttft / by_itself:.2f}x",
+                ]
+            )
+        print(f"A cold {LONG_PROMPT_TOKENS}-token prompt arriving beside {RUNNING_STREAMS} running streams:")
+        header = ["interleaved", "ITL idle", "ITL during", "ratio", "its TTFT", "TTFT alone", "ratio"]
+        table(header, rows)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

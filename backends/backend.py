@@ -138,6 +138,10 @@ class Backend(Protocol):
         """Return how many requests run and wait, and the KV memory the running ones hold."""
         ...
 
+    def problem(self) -> str | None:
+        """Say why the backend cannot serve, or None while it can."""
+        ...
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -30,6 +30,7 @@ from prefixgate.errors import (
     ConfigError,
     ContextLengthError,
     ModelError,
+    ModelStoppedError,
     RequestError,
     UnsupportedModelError,
 )
@@ -175,6 +176,8 @@ class HFBackend:
 
     async def reserve(self, prompt_tokens: int, max_tokens: int) -> KVReservation:
         """Wait for KV memory for a prompt and its answer (see `Backend.reserve`); check the context length first."""
+        if self._worker.failure is not None:
+            raise ModelStoppedError(self._worker.failure)
         self._check_length(prompt_tokens, max_tokens)
         tokens = prompt_tokens + max_tokens
         nbytes = self._buffers.nbytes_for(tokens) if self._buffers is not None else 0
@@ -193,6 +196,10 @@ class HFBackend:
     def admission(self) -> AdmissionStats:
         """Return how many requests run and wait, and the KV memory the running ones hold."""
         return self._admission.stats()
+
+    def problem(self) -> str | None:
+        """Say why the backend cannot serve (its model thread stopped on a fault), or None while it can."""
+        return self._worker.failure
 
     def generate(
         self,

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.scheduler import Scheduled, Scheduler
 from prefixgate.backends.sequence import Sequence, StepKind
+from prefixgate.errors import ModelStoppedError
 
 _log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Worker:
         self._running: list[Sequence] = []  # oldest first; touched by the worker thread only
         self._wake = threading.Condition()
         self._closed = False
+        self._failure: str | None = None
         self._ids = itertools.count(1)
         # A daemon thread, so a process that forgets aclose() still exits; close() joins it properly.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -83,8 +85,10 @@ class Worker:
         return next(self._ids)
 
     def submit(self, seq: Sequence) -> None:
-        """Add a sequence to the next step."""
+        """Add a sequence to the next step; raise ModelStoppedError when the thread has stopped on a fault."""
         with self._wake:
+            if self._failure is not None:
+                raise ModelStoppedError(self._failure)
             if self._closed:
                 raise RuntimeError("the backend is closed; create a new one to run more requests")
             self._arrivals.append(seq)
@@ -103,7 +107,27 @@ class Worker:
         """Say whether close() was called."""
         return self._closed
 
+    @property
+    def failure(self) -> str | None:
+        """Say why the thread stopped on a fault, or None while it serves (or was closed on purpose)."""
+        return self._failure
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # a fault outside any one request's step: nothing more can run
+            _log.critical("the model thread stopped", exc_info=True)
+            with self._wake:
+                self._failure = f"the model thread stopped ({type(error).__name__}: {error}); restart the server"
+                self._closed = True
+        stopped = ModelStoppedError(self._failure) if self._failure else None
+        with self._wake:
+            left = [s for s in self._running + self._arrivals if not s.finished]
+            self._arrivals = []
+        for seq in left:
+            seq.fail(stopped or RuntimeError("the backend was closed while this request was running"))
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not self._arrivals and not self._running and not self._closed:
@@ -120,8 +144,6 @@ class Worker:
             if plan:
                 self._step(plan)
             self._running = [s for s in self._running if not s.finished]
-        for seq in self._running + self._arrivals:
-            seq.fail(RuntimeError("the backend was closed while this request was running"))
 
     def _step(self, plan: list[Scheduled]) -> None:
         started = self._clock()

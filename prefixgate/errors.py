@@ -36,6 +36,10 @@ class ModelNotFoundError(ModelError, FileNotFoundError):
     """A model name or path does not resolve to a loadable model."""
 
 
+class ModelStoppedError(ModelError):
+    """The model thread stopped on a fault; nothing more runs until the server restarts."""
+
+
 class UnsupportedModelError(ModelError):
     """A model kind whose KV cache prefixgate cannot restore as a plain prefix."""
 

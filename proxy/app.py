@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
-from prefixgate.errors import ContextLengthError, OverloadedError, PrefixgateError, RequestError
+from prefixgate.errors import ContextLengthError, ModelStoppedError, OverloadedError, PrefixgateError, RequestError
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
@@ -152,9 +152,15 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """GET /health."""
     engine = request.app[ENGINE]
-    return web.json_response(
-        {"status": "ok", "model": engine.backend.model_id, "prefix_reuse": engine.backend.prefix_reuse}
-    )
+    body: dict[str, Any] = {
+        "status": "ok",
+        "model": engine.backend.model_id,
+        "prefix_reuse": engine.backend.prefix_reuse,
+    }
+    problem = engine.backend.problem()
+    if problem is not None:
+        return web.json_response(body | {"status": "unavailable", "problem": problem}, status=503)
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -316,6 +322,8 @@ async def _tenants(request: web.Request, handler: Handler) -> web.StreamResponse
 def _error_response(error: PrefixgateError) -> tuple[int, dict[str, Any]]:
     if isinstance(error, ModelNotServed):
         return 404, api.error_body(str(error), "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(error, ModelStoppedError):  # the server's fault, logged when the model thread stopped
+        return 503, api.error_body(str(error), "server_error")
     param = getattr(error, "param", None)
     code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
     return 400, api.error_body(str(error), "invalid_request_error", param=param, code=code)

@@ -6,7 +6,9 @@ validate → canonicalize → lay out → render → longest cached prefix → g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -29,6 +31,8 @@ from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.statistics import EngineStats
 from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,8 +309,14 @@ class Engine:
         return on_block
 
     def _file(self, block: Block, loop: asyncio.AbstractEventLoop) -> None:
-        self.store.put([block])
-        loop.call_soon_threadsafe(self._stored, block.key)
+        try:
+            self.store.put([block])
+        except Exception:  # the request goes on; whoever waits for this block computes it itself
+            _log.exception("could not store block %s; it will be computed again", block.key)
+            self.stats.count_store_error()
+        with contextlib.suppress(RuntimeError):  # a closed loop has nobody left waiting
+            # Waiters go on whether or not the block was stored: they fetch it, or compute what is missing.
+            loop.call_soon_threadsafe(self._stored, block.key)
 
     def _stored(self, key: BlockKey) -> None:
         future = self._inflight.pop(key, None)

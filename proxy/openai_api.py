@@ -112,6 +112,11 @@ class _Generation(_Strict):
                 raise RequestError(f"{name} is not supported; leave it out or set it to 0", param=name)
         if self.logit_bias:
             raise RequestError("logit_bias is not supported; leave it out", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError(
+                'stream_options is only allowed when stream is true; set "stream": true or leave it out',
+                param="stream_options",
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,

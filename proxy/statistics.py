@@ -30,6 +30,7 @@ class EngineStats:
     requests: int = 0
     errors: int = 0
     rejected: int = 0
+    store_errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: dict[str, int] = field(default_factory=dict)  # per tier
@@ -66,6 +67,11 @@ class EngineStats:
         with self._lock:
             self.rejected += 1
 
+    def count_store_error(self) -> None:
+        """Count a computed block the store failed to keep."""
+        with self._lock:
+            self.store_errors += 1
+
     def count_error(self) -> None:
         """Count a request that failed before its first token."""
         with self._lock:
@@ -89,6 +95,9 @@ class EngineStats:
             lines = [
                 *_counter("prefixgate_requests_total", "Requests that produced a first token.", self.requests),
                 *_counter("prefixgate_request_errors_total", "Requests that failed before a token.", self.errors),
+                *_counter(
+                    "prefixgate_store_put_errors_total", "Computed blocks the store failed to keep.", self.store_errors
+                ),
                 *_counter(
                     "prefixgate_rejected_requests_total",
                     "Requests refused with 429: the wait queue was full.",

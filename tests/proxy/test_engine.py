@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from prefixgate.backends import KVReservation, SamplingParams, StepRecord
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
+from prefixgate.store import Block, TieredStore
 from tests.proxy.conftest import tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -131,3 +133,27 @@ async def test_stats_count_requests_tokens_and_cached_tokens_per_tier(
     assert engine.stats.prompt_tokens == first.usage.prompt_tokens + second.usage.prompt_tokens
     assert engine.stats.cached_tokens == {"host": second.usage.cached_tokens}
     assert engine.stats.completion_tokens == first.usage.completion_tokens + second.usage.completion_tokens
+
+
+class FullDisk(TieredStore):
+    """A store whose every put fails, as one on a full or failing device would."""
+
+    def put(self, blocks: Sequence[Block], *, pinned: bool = False, ttl: float | None = None) -> int:
+        raise OSError(28, "No space left on device")
+
+
+async def test_a_block_the_store_fails_to_keep_is_logged_counted_and_releases_its_waiters(
+    engine_and_steps: tuple[Engine, list[StepRecord]], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine, _ = engine_and_steps
+    engine.store.__class__ = FullDisk
+    long_answer = replace(chat("Tell me a story"), params=SamplingParams(max_tokens=300, temperature=0.0))
+    first = await engine.generate(long_answer)
+    await anext(first)  # its prompt's blocks went to the store, which failed to keep them
+    # A second request for the same prompt waited for those blocks; it now computes them itself while the first
+    # still runs, instead of waiting for the first to end.
+    second = await asyncio.wait_for(engine.complete(chat("Tell me a story")), 300)
+    assert second.usage.cached_tokens == 0
+    assert engine.stats.store_errors > 0
+    assert "could not store block" in caplog.text and "No space left on device" in caplog.text
+    await first.aclose()

@@ -112,6 +112,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("unknown field", chat(frobnicate=True), 400, "frobnicate", "unknown field"),
     ("unsupported penalty", chat(frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
     (
+        "stream_options without stream",
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "only allowed when stream is true",
+    ),
+    (
         "tools the chat template cannot render",
         chat(tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
         400,

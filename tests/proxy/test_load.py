@@ -123,3 +123,35 @@ async def test_a_prompt_longer_than_the_context_gets_400_before_any_memory_is_re
     error = (await response.json())["error"]
     assert error["code"] == "context_length_exceeded" and "maximum context length is 1024" in error["message"]
     assert engine_of(client).backend.admission().bytes_in_use == 0
+
+
+class Fatal(BaseException):
+    """A fault no request's step catches, raised on the model thread."""
+
+
+class FailingSteps(list[StepRecord]):
+    """Record steps; the third decode step raises Fatal on the model thread, outside any request's step."""
+
+    def append(self, record: StepRecord) -> None:
+        super().append(record)
+        if len([step for step in self if step.tokens("decode")]) == 3:
+            raise Fatal("the model thread broke")
+
+
+@pytest.mark.parametrize("steps", [FailingSteps()])  # this test's model thread breaks on its third decode step
+async def test_a_model_thread_that_stops_fails_requests_fast_and_health_says_so(
+    serve: Serve, steps: list[StepRecord]
+) -> None:
+    client = await serve()
+    running = await client.post("/v1/chat/completions", json=chat_body(max_tokens=50, stream=True))
+    assert running.status == 200
+    body = (await asyncio.wait_for(running.read(), HANG_GUARD_SECONDS)).decode()
+    assert "event: error" in body and "the model thread stopped (Fatal: the model thread broke)" in body
+    health = await client.get("/health")
+    assert health.status == 503
+    assert (await health.json())["status"] == "unavailable"
+    refused = await client.post("/v1/chat/completions", json=chat_body())
+    assert refused.status == 503
+    error = (await refused.json())["error"]
+    assert error["type"] == "server_error" and "restart the server" in error["message"]
+    assert engine_of(client).backend.admission().running == 0

@@ -16,6 +16,7 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 # What an unset max_tokens means: OpenAI runs to the context's end; a CPU proxy stops earlier, and says so in /docs.
 DEFAULT_MAX_TOKENS = 512
+MAX_JSON_DEPTH = 64  # lists and objects within each other; real tool schemas nest a dozen levels at most
 
 
 class _Strict(BaseModel):
@@ -215,9 +216,26 @@ def json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    # Every later step (validation, canonical tool JSON, the chat template) walks the body recursively.
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted")
     return data
+
+
+def _depth(value: Any) -> int:
+    """Return how deeply lists and objects nest in a JSON value, without recursion (linear in its size)."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

@@ -99,8 +99,24 @@ async def test_completions_stream_and_not(serve: Serve) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
+def nested(depth: int) -> dict[str, Any]:
+    """Return a JSON schema whose properties nest `depth` objects deep."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
 BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("malformed json", b'{"model": ', 400, None, "not valid JSON"),
+    ("json nested past the parser", b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests too"),
+    (
+        "a tool schema nested 100 deep",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(100)}}]),
+        400,
+        None,
+        "at most 64 levels",
+    ),
     ("not an object", b"[1, 2]", 400, None, "JSON object"),
     ("wrong type", chat(temperature="hot"), 400, "temperature", "temperature"),
     ("missing messages", {"model": MODEL}, 400, "messages", "required"),

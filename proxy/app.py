@@ -14,7 +14,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
-from prefixgate.errors import ContextLengthError, ModelStoppedError, OverloadedError, PrefixgateError, RequestError
+from prefixgate.errors import (
+    ContextLengthError,
+    ModelStoppedError,
+    OverloadedError,
+    PrefixgateError,
+    RequestError,
+    UnsupportedModelError,
+)
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
@@ -211,7 +218,9 @@ async def _stream(
             log.info("client left request %s; generation stopped", rid)  # aclose() below stops the model
             raise
         except PrefixgateError as error:
-            _, body = _error_response(error)
+            status, body = _error_response(error)
+            if status >= 500:
+                log.error("request %s failed while streaming: %s: %s", rid, type(error).__name__, error)
             await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
         except Exception:
             log.exception("request %s failed while streaming", rid)
@@ -280,6 +289,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(body, status=429, headers={"Retry-After": str(error.retry_after)})
     except PrefixgateError as error:
         status, body = _error_response(error)
+        if status >= 500:
+            log.error("request %s failed: %s: %s", request.get(REQUEST_ID), type(error).__name__, error)
         return web.json_response(body, status=status)
     except ValidationError as error:
         problems = error.errors()
@@ -320,13 +331,17 @@ async def _tenants(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 def _error_response(error: PrefixgateError) -> tuple[int, dict[str, Any]]:
+    """Return the status and OpenAI error body of a domain error: the client's fault is 4xx, the server's 5xx."""
     if isinstance(error, ModelNotServed):
         return 404, api.error_body(str(error), "invalid_request_error", param="model", code="model_not_found")
-    if isinstance(error, ModelStoppedError):  # the server's fault, logged when the model thread stopped
+    if isinstance(error, ModelStoppedError):
         return 503, api.error_body(str(error), "server_error")
-    param = getattr(error, "param", None)
-    code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
-    return 400, api.error_body(str(error), "invalid_request_error", param=param, code=code)
+    if isinstance(error, RequestError | UnsupportedModelError):  # what was asked cannot be served as asked
+        param = getattr(error, "param", None)
+        code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+        return 400, api.error_body(str(error), "invalid_request_error", param=param, code=code)
+    # A store or model failure: nothing the client can change, so its details go to the log, not the answer.
+    return 500, api.error_body("internal error; see the server log", "server_error")
 
 
 def _describe_problem(problem: Any) -> str:

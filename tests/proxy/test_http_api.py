@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from prefixgate.errors import StoreError
+from prefixgate.store import TieredStore
 from tests.proxy.conftest import MODEL, SYSTEM, Serve, engine_of
 from tests.proxy.conftest import chat_body as chat
 
@@ -309,3 +311,22 @@ async def test_health_is_reachable_before_any_request(serve: Serve) -> None:
     client: TestClient[Any, Any] = await serve()
     body = await (await client.get("/health")).json()
     assert body == {"status": "ok", "model": MODEL, "prefix_reuse": True}
+
+
+class UnreadableStore(TieredStore):
+    """A store whose reads fail, as one on a failing disk would."""
+
+    def fetch(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreError("LMDB read failed: Input/output error")
+
+
+async def test_a_store_failure_is_a_server_error_logged_with_the_request_id(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await serve()
+    engine_of(client).store.__class__ = UnreadableStore
+    response = await client.post("/v1/chat/completions", json=chat(), headers={"x-request-id": "req-disk-1"})
+    assert response.status == 500
+    error = (await response.json())["error"]
+    assert error["type"] == "server_error" and "LMDB" not in error["message"]  # the details are the server's
+    assert "request req-disk-1 failed: StoreError: LMDB read failed" in caplog.text

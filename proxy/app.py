@@ -135,7 +135,9 @@ async def _generate(
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(request, generation, body.model, include_usage, chat=chat)
+        # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
+        async with generation:
+            return await _stream(request, generation, body.model, include_usage, chat=chat)
     async with generation:
         text = "".join([chunk.text async for chunk in generation])
     render = api.chat_completion if chat else api.text_completion
@@ -184,7 +186,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def _stream(
     request: web.Request, generation: Generation, model: str, include_usage: bool, *, chat: bool
 ) -> web.StreamResponse:
-    """Send the generation as server-sent events, exactly as OpenAI does."""
+    """Send the generation as server-sent events, exactly as OpenAI does; the caller closes the generation."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
     )
@@ -204,28 +206,28 @@ async def _stream(
             body["usage"] = None
         return body
 
-    async with generation:
-        try:
-            if chat:
-                await _send(response, chunk(None, None, role=True))
-            async for token in generation:
-                if token.text:
-                    await _send(response, chunk(token.text, None))
-            await _send(response, chunk(None, generation.finish_reason))
-            if include_usage:
-                await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
-        except (ConnectionResetError, asyncio.CancelledError):
-            log.info("client left request %s; generation stopped", rid)  # aclose() below stops the model
-            raise
-        except PrefixgateError as error:
-            status, body = _error_response(error)
-            if status >= 500:
-                log.error("request %s failed while streaming: %s: %s", rid, type(error).__name__, error)
-            await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
-        except Exception:
-            log.exception("request %s failed while streaming", rid)
-            body = api.error_body("internal error while generating; see the server log", "server_error")
-            await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+    try:
+        if chat:
+            await _send(response, chunk(None, None, role=True))
+        async for token in generation:
+            if token.text:
+                await _send(response, chunk(token.text, None))
+        await _send(response, chunk(None, generation.finish_reason))
+        if include_usage:
+            await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client left request %s; generation stopped", rid)  # the caller's aclose() stops the model
+        raise
+    except PrefixgateError as error:
+        status, body = _error_response(error)
+        if status >= 500:
+            log.error("request %s failed while streaming: %s: %s", rid, type(error).__name__, error)
+        await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+    except Exception:
+        log.exception("request %s failed while streaming", rid)
+        body = api.error_body("internal error while generating; see the server log", "server_error")
+        await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+    await generation.aclose()  # usage and timing are final before the stream's end
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -307,6 +309,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = f"{request.method} {request.path}: {error.reason}"
         code = "not_found" if error.status == 404 else None
         return web.json_response(api.error_body(message, "invalid_request_error", code=code), status=error.status)
+    except ConnectionResetError:
+        raise  # the client left: nobody to answer, and no fault of the server's
     except Exception:
         log.exception("request %s failed", request.get(REQUEST_ID))
         body = api.error_body("internal error; see the server log", "server_error")

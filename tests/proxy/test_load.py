@@ -8,6 +8,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from prefixgate.backends import StepRecord
@@ -155,3 +156,22 @@ async def test_a_model_thread_that_stops_fails_requests_fast_and_health_says_so(
     error = (await refused.json())["error"]
     assert error["type"] == "server_error" and "restart the server" in error["message"]
     assert engine_of(client).backend.admission().running == 0
+
+
+async def test_a_client_that_leaves_as_its_stream_is_prepared_stops_the_generation(
+    serve: Serve, steps: AdmissionWatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepare = web.StreamResponse.prepare
+
+    async def leave_at_prepare(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if self.content_type == "text/event-stream":
+            raise ConnectionResetError("the client left")  # as the headers go out, after the first token
+        return await prepare(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", leave_at_prepare)
+    client = await serve()
+    await client.post("/v1/chat/completions", json=chat_body(max_tokens=300, stream=True))
+    backend = engine_of(client).backend
+    await asyncio.wait_for(until(lambda: backend.admission().running == 0), HANG_GUARD_SECONDS)
+    assert sum(step.tokens("decode") for step in steps) < 20, "the model stopped within a step or two"
+    assert engine_of(client).stats.snapshot().completion_tokens < 20

@@ -107,10 +107,11 @@ def load_or_create_secret(folder: Path) -> bytes:
         return _read_secret(path)
     except FileNotFoundError:
         pass
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the store holds every tenant's prompts
     temporary = folder / f".{SECRET_FILE}.{os.getpid()}.{os.urandom(4).hex()}"
-    temporary.write_bytes(os.urandom(_SECRET_BYTES))
-    os.chmod(temporary, 0o600)
+    # Created readable by its owner alone, never for a moment by anyone else.
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+        file.write(os.urandom(_SECRET_BYTES))
     try:
         # link() fails when another process won the race; then everyone reads the winner's secret.
         os.link(temporary, path)

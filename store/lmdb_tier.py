@@ -75,11 +75,13 @@ class LMDBTier(Tier):
         ceiling = self.capacity_blocks * value_pages * _PAGE * 5 // 4 + _MIN_MAP_BYTES
         self._max_map_bytes = max_map_bytes or ceiling
         start = min(self._max_map_bytes, map_bytes or 4 * _MIN_MAP_BYTES)
-        path.mkdir(parents=True, exist_ok=True)
+        # Token ids are every tenant's prompts: the folder and files are their owner's alone.
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._env = lmdb.open(
             str(path),
             map_size=start,
             subdir=True,
+            mode=0o600,
             readahead=False,  # random block reads; readahead only pollutes the page cache
             max_readers=512,
         )

@@ -356,3 +356,16 @@ def test_an_unknown_policy_name_is_an_error_listing_the_valid_ones(tmp_path: Pat
     bad = StoreConfig(device=TierConfig(0), host=TierConfig(BLOCK, policy="lfu"), disk=TierConfig(BLOCK))
     with pytest.raises(KeyError, match="lru"):
         TieredStore.open(tmp_path, LAYOUT, bad)
+
+
+def test_the_store_folder_secret_and_lmdb_files_are_their_owners_alone(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    folder = tmp_path / "store"
+    store = open_store(folder=folder)
+    store.wait_for_disk()
+    modes = {path.relative_to(folder).as_posix(): path.stat().st_mode & 0o777 for path in [folder, *folder.rglob("*")]}
+    assert modes.pop(".") == 0o700
+    assert modes.pop("secret") == 0o600
+    assert modes, "the LMDB tier's folder and files are there too"
+    assert all(mode == (0o700 if (folder / name).is_dir() else 0o600) for name, mode in modes.items()), modes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
@@ -246,26 +247,25 @@ class HFBackend:
             if reservation is not None:
                 reservation.release()
             return 0
-        async for item in self._run(plan, None, on_block, reservation):
-            assert isinstance(item, int)
-            return item
-        raise AssertionError("a prefill-only sequence ends with its token count")
+        # aclosing: the sequence is dropped as this returns or is cancelled, not when the generator is collected.
+        async with contextlib.aclosing(self._run(plan, None, on_block, reservation)) as items:
+            item = await anext(items)
+        assert isinstance(item, int), "a prefill-only sequence ends with its token count"
+        return item
 
-    def _stream(
+    async def _stream(
         self,
         plan: SequencePlan,
         decoding: Decoding,
         on_block: BlockCallback | None,
         reservation: KVReservation | None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        async def tokens() -> AsyncGenerator[TokenChunk, None]:
-            async for item in self._run(plan, decoding, on_block, reservation):
+        async with contextlib.aclosing(self._run(plan, decoding, on_block, reservation)) as items:
+            async for item in items:
                 assert isinstance(item, TokenChunk)
                 yield item
                 if item.finish_reason is not None:
                     return
-
-        return tokens()
 
     async def _run(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from prefixgate.backends.sequence import Sequence, StepKind
+from prefixgate.backends.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +20,7 @@ class Scheduled:
     """One sequence's share of a step."""
 
     seq: Sequence
-    tokens: int
-    kind: StepKind
+    tokens: int  # the sequence's next prompt chunk, or 1 for its next decoded token
 
 
 class Scheduler:
@@ -43,14 +42,14 @@ class Scheduler:
             self._turn = (self._turn + 1) % len(running)
             seq = running[self._turn]
             # One pass over the whole prompt: such a model's cache cannot be trusted to continue a multi-token step.
-            return [Scheduled(seq, seq.prefill_left, "prefill") if seq.prefill_left else Scheduled(seq, 1, "decode")]
-        plan = [Scheduled(seq, 1, "decode") for seq in running if not seq.prefill_left]
+            return [Scheduled(seq, seq.prefill_left or 1)]
+        plan = [Scheduled(seq, 1) for seq in running if not seq.prefill_left]
         budget = self.interleaved_tokens if plan else self.chunk_tokens
         for seq in running:
             if budget == 0:
                 break
             if seq.prefill_left:
                 tokens = min(seq.prefill_left, budget)
-                plan.append(Scheduled(seq, tokens, "prefill"))
+                plan.append(Scheduled(seq, tokens))
                 budget -= tokens
         return plan

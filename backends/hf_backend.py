@@ -212,12 +212,17 @@ class HFBackend:
         reservation: KVReservation | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
-        if params.n != 1:
-            raise RequestError(
-                f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
-                param="n",
-            )
-        plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False)
+        try:
+            if params.n != 1:
+                raise RequestError(
+                    f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
+                    param="n",
+                )
+            plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False)
+        except BaseException:
+            if reservation is not None:  # taken over all the same, as prefill() does: a refused request holds none
+                reservation.release()
+            raise
         decoding = Decoding(
             sampler=Sampler(params, self.device),
             text=TextStream(self.decode, plan.prompt, params.stop),

@@ -138,3 +138,11 @@ async def test_a_prompt_longer_than_the_context_is_refused_before_anything_is_re
         await backend.reserve(500, 13)
     assert caught.value.param == "max_tokens"
     assert backend.admission().running == 0 and backend.admission().bytes_in_use == 0
+
+
+async def test_a_request_refused_by_generate_gives_its_reservation_back(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    reservation = await backend.reserve(10, 5)
+    with pytest.raises(RequestError, match="n=1"):
+        backend.generate(make_prompt(10), [], SamplingParams(max_tokens=5, n=2), reservation=reservation)
+    assert backend.admission().running == 0 and reservation.buffer is None

@@ -176,7 +176,8 @@ async def metrics(request: web.Request) -> web.Response:
     """GET /metrics, in Prometheus text format."""
     engine = request.app[ENGINE]
     tiers = await asyncio.to_thread(engine.store.stats)
-    text = engine.stats.prometheus(tiers, engine.backend.admission())
+    settings = request.app[SETTINGS]
+    text = engine.stats.prometheus(tiers, engine.backend.admission(), tenants=settings.metrics_tenants)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

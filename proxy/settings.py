@@ -80,9 +80,20 @@ class Settings(BaseSettings):
         None, description="named regexes of per-request content to move (replaces the defaults)"
     )
     api_keys: dict[str, str] = Field(
-        default_factory=dict, description="API key -> tenant; empty means no key is required"
+        default_factory=dict,
+        description="API key -> tenant; empty means no key is required. A flag shows in `ps` to every local user: "
+        'prefer PREFIXGATE_API_KEYS=\'{"KEY": "TENANT"}\' or [api_keys] in the --config file',
     )
-    admin_key: str | None = Field(None, description="key for /admin; unset means /admin answers 403")
+    admin_key: str | None = Field(
+        None,
+        description="key for /admin; unset means /admin answers 403. A flag shows in `ps` to every local user: "
+        "prefer PREFIXGATE_ADMIN_KEY or admin_key in the --config file",
+    )
+    metrics_tenants: bool = Field(
+        False,
+        description="label /metrics with each tenant's name and traffic; off because /metrics needs no key "
+        "(the admin endpoint shows tenants behind its key)",
+    )
     max_body_bytes: ByteSize = Field(ByteSize(16 << 20), description="largest request body accepted")
     model_cache_dir: Path = Field(
         Path.home() / ".cache" / "prefixgate" / "models", description="where converted models are kept"

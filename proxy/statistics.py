@@ -89,8 +89,13 @@ class EngineStats:
                 tenants=dict(self.tenants),
             )
 
-    def prometheus(self, tiers: Sequence[TierStats], admission: AdmissionStats | None = None) -> str:
-        """Return the statistics, the store's and admission's, in Prometheus text exposition format."""
+    def prometheus(
+        self, tiers: Sequence[TierStats], admission: AdmissionStats | None = None, *, tenants: bool = False
+    ) -> str:
+        """Return the statistics, the store's and admission's, in Prometheus text exposition format.
+
+        `tenants` adds each tenant's counts, labelled with its name.
+        """
         with self._lock:
             lines = [
                 *_counter("prefixgate_requests_total", "Requests that produced a first token.", self.requests),
@@ -124,17 +129,9 @@ class EngineStats:
             lines.append(f"prefixgate_time_to_first_token_seconds_sum {self.ttft_sum}")
             lines.append(f"prefixgate_time_to_first_token_seconds_count {running}")
             # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
-            for counted, help_text in (
-                ("requests", "Requests that produced a first token, by tenant."),
-                ("prompt_tokens", "Prompt tokens, by tenant."),
-                ("cached_tokens", "Prompt tokens served from the cache, by tenant."),
-            ):
-                name = f"prefixgate_tenant_{counted}_total"
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-                lines += [
-                    f'{name}{{tenant="{_label_value(tenant)}"}} {getattr(counts, counted)}'
-                    for tenant, counts in sorted(self.tenants.items())
-                ]
+            # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
+            if tenants:
+                lines += self._tenant_lines()
         for name, help_text, attribute in (
             ("entries", "Blocks held, by tier.", "entries"),
             ("bytes", "Bytes held, by tier.", "bytes"),
@@ -158,6 +155,21 @@ class EngineStats:
                 lines += [f"# HELP prefixgate_{name} {help_text}", f"# TYPE prefixgate_{name} gauge"]
                 lines.append(f"prefixgate_{name} {value}")
         return "\n".join(lines) + "\n"
+
+    def _tenant_lines(self) -> list[str]:
+        lines = []
+        for counted, help_text in (
+            ("requests", "Requests that produced a first token, by tenant."),
+            ("prompt_tokens", "Prompt tokens, by tenant."),
+            ("cached_tokens", "Prompt tokens served from the cache, by tenant."),
+        ):
+            name = f"prefixgate_tenant_{counted}_total"
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            lines += [
+                f'{name}{{tenant="{_label_value(tenant)}"}} {getattr(counts, counted)}'
+                for tenant, counts in sorted(self.tenants.items())
+            ]
+        return lines
 
 
 @dataclass(frozen=True, slots=True)

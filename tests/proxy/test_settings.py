@@ -43,6 +43,19 @@ def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path, mon
     assert load_settings(config, port="9200").port == 9200
 
 
+def test_keys_come_from_the_environment_and_help_says_to_keep_them_off_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PREFIXGATE_API_KEYS", '{"sk-team-a": "team-a"}')
+    monkeypatch.setenv("PREFIXGATE_ADMIN_KEY", "sk-admin")
+    settings = load_settings()
+    assert settings.api_keys == {"sk-team-a": "team-a"} and settings.admin_key == "sk-admin"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "prefer PREFIXGATE_API_KEYS" in help_text and "prefer PREFIXGATE_ADMIN_KEY" in help_text
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

@@ -1,68 +1,126 @@
-"""A client that goes away before its answer is out stops the model at its next step, in prefill or decoding."""
+"""A client that goes away before its answer is out stops the model at its next step, in prefill or decoding.
+
+No test here waits on the clock: the model thread is held after a chosen step while the client leaves, and the test
+learns that the server has dropped the request from the request's own hand-off being closed.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from prefixgate.backends import StepRecord
+from prefixgate.backends.handoff import LoopHandoff
 from tests.proxy.conftest import MODEL, Serve, engine_of
 
 LONG = "the quick brown fox jumps over the lazy dog " * 60  # several hundred tokens: dozens of 16-token chunks
+HANG_GUARD_SECONDS = 60  # only a broken build waits this long
 
 
-class SlowSteps(list[StepRecord]):
-    """Records each model step after holding the model for 10 ms, so a prefill lasts long enough to leave."""
+class HeldSteps(list[StepRecord]):
+    """Record each model step; hold the model thread after the first step of a chosen kind until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold_kind: str | None = None
+        self.reached = threading.Event()
+        self.released = threading.Event()
 
     def append(self, record: StepRecord) -> None:
-        time.sleep(0.01)
         super().append(record)
+        if self.hold_kind is not None and record.tokens(self.hold_kind) and not self.reached.is_set():
+            self.reached.set()
+            assert self.released.wait(HANG_GUARD_SECONDS), "the test never released the model thread"
+
+    async def held(self) -> int:
+        """Wait until the model thread is held; return the steps run so far."""
+        assert await asyncio.to_thread(self.reached.wait, HANG_GUARD_SECONDS), "no step of that kind ran"
+        return len(self)
 
 
 @pytest.fixture
-def steps() -> list[StepRecord]:
-    return SlowSteps()
+def steps() -> HeldSteps:
+    return HeldSteps()
+
+
+@pytest.fixture
+def closed_handoffs(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.Queue[None]]:
+    """Report each request whose hand-off closes: the server has let go of it, and its sequence is cancelled."""
+    closed: asyncio.Queue[None] = asyncio.Queue()
+    original = LoopHandoff.close
+
+    def close(self: LoopHandoff) -> None:
+        original(self)
+        closed.put_nowait(None)  # the backend cancels the sequence right after, in the same synchronous block
+
+    monkeypatch.setattr(LoopHandoff, "close", close)
+    yield closed
 
 
 def chat(content: str, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **fields}
 
 
-async def leave_when(steps: list[StepRecord], kind: str, request: asyncio.Task[Any]) -> int:
-    """Cancel the client's request once the model runs a step of `kind`; return the steps run a moment later."""
-    while not any(step.tokens(kind) for step in steps):
-        await asyncio.sleep(0.001)
+async def leave_while_held(
+    steps: HeldSteps, closed: asyncio.Queue[None], kind: str, request: asyncio.Task[Any]
+) -> tuple[int, int]:
+    """Leave once the model is held after a step of `kind`; return the steps run then and its sequence id."""
+    steps.hold_kind = kind
+    done = await steps.held()
+    seq_id = steps[-1].seq_ids()[0]
     request.cancel()  # the client closes its connection
-    await asyncio.sleep(0.2)
-    done = len(steps)
-    await asyncio.sleep(0.3)
-    assert len(steps) == done, "the model kept stepping after the client left"
-    return done
+    await asyncio.wait_for(closed.get(), HANG_GUARD_SECONDS)
+    steps.released.set()
+    return done, seq_id
+
+
+def steps_of(steps: list[StepRecord], seq_id: int) -> int:
+    return sum(seq_id in step.seq_ids() for step in steps)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_client_that_leaves_during_a_long_prefill_stops_it_within_a_chunk(
-    serve: Serve, steps: list[StepRecord], stream: bool
+async def test_a_client_that_leaves_during_a_long_prefill_stops_it_at_the_next_step(
+    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None], stream: bool
 ) -> None:
     client = await serve()
     prompt_tokens = len(engine_of(client).backend.render_chat(chat(LONG)["messages"]))
+    assert prompt_tokens // 16 > 4  # many prefill chunks, so stopping after the first one shows
     request = asyncio.create_task(client.post("/v1/chat/completions", json=chat(LONG, stream=stream, max_tokens=5)))
-    done = await leave_when(steps, "prefill", request)
-    assert done < prompt_tokens // 16 // 2, "most of the prefill should never have run"
-    assert all(step.tokens("decode") == 0 for step in steps)
-    assert engine_of(client).stats.errors == 0  # a client that left is not a server error
-    # The chunks computed before it left stay cached.
+    done, seq_id = await leave_while_held(steps, closed_handoffs, "prefill", request)
+    # The chunks computed before it left stay cached; the next request runs only after the left one was dropped.
     response = await client.post("/v1/chat/completions", json=chat(LONG, max_tokens=1))
     assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert steps_of(steps, seq_id) == done == 1, "the model kept computing the prompt of a client that left"
+    assert all(step.tokens("decode") == 0 for step in steps if seq_id in step.seq_ids())
+    assert engine_of(client).stats.errors == 0  # a client that left is not a server error
 
 
 async def test_a_client_that_leaves_a_whole_answer_request_stops_its_decoding(
-    serve: Serve, steps: list[StepRecord]
+    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None]
 ) -> None:
     client = await serve()
     request = asyncio.create_task(client.post("/v1/chat/completions", json=chat("Tell me a story", max_tokens=400)))
-    done = await leave_when(steps, "decode", request)
-    assert done < 100
+    done, seq_id = await leave_while_held(steps, closed_handoffs, "decode", request)
+    await client.post("/v1/chat/completions", json=chat("Another one", max_tokens=1))
+    assert steps_of(steps, seq_id) == done
+
+
+async def test_a_client_that_leaves_mid_stream_stops_its_generation(
+    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None]
+) -> None:
+    client = await serve()
+    body = chat("Tell me a long story", stream=True, max_tokens=400)
+    response = await client.post("/v1/chat/completions", json=body)
+    await response.content.readline()  # the role chunk is out: generation is running
+    response.close()  # the client goes away; the server sees it when it next writes
+    await asyncio.wait_for(closed_handoffs.get(), HANG_GUARD_SECONDS)
+    ran = len(steps)
+    again = await (await client.post("/v1/chat/completions", json=chat("Tell me a long story"))).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its prompt blocks stayed cached
+    left = steps[0].seq_ids()[0]
+    # Cancelled between steps, it runs in at most the step then under way.
+    assert steps_of(steps, left) <= ran + 1 < 100

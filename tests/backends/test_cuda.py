@@ -1,0 +1,86 @@
+"""On a GPU: packed steps batch requests on CUDA, start them from cached blocks, and the engine serves from a device
+tier. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where there is one."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.settings import load_settings
+from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from tests.backends.conftest import BackendFactory
+from tests.backends.streams import BlockSink, collect
+from tests.backends.test_batching import LONGER, PROMPTS, alone
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+GPU = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_llama(llama: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Return a float32 copy of the tiny Llama on the GPU (float32, so batched and lone runs agree to the token)."""
+    model = copy.deepcopy(llama).to(GPU)  # type: ignore[arg-type]
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+async def test_requests_batched_on_the_gpu_get_the_tokens_each_gets_alone(
+    make_backend: BackendFactory, gpu_llama: PreTrainedModel
+) -> None:
+    steps: list[StepRecord] = []
+    backend = make_backend(gpu_llama, on_step=steps.append)
+    assert backend.device.type == "cuda" and backend.prefix_reuse, backend.reuse_refusal
+    expected = await alone(backend, PROMPTS, [LONGER] * len(PROMPTS))
+    steps.clear()
+    together = await asyncio.gather(*(collect(backend, prompt, params=LONGER) for prompt in PROMPTS))
+    assert [g.token_ids for g in together] == [g.token_ids for g in expected]
+    assert max(len(step.seq_ids()) for step in steps) == len(PROMPTS), "the requests shared forward passes"
+
+
+async def test_a_request_on_the_gpu_starts_from_its_cached_blocks(
+    make_backend: BackendFactory, gpu_llama: PreTrainedModel
+) -> None:
+    steps: list[StepRecord] = []
+    backend = make_backend(gpu_llama, on_step=steps.append)
+    prompt = PROMPTS[3]
+    sink = BlockSink()
+    cold = await collect(backend, prompt, on_block=sink)
+    assert sink.blocks and all(block.device.type == "cuda" for block in sink.blocks)
+    steps.clear()
+    warm = await collect(backend, prompt, blocks=sink.blocks[: (len(prompt) - 1) // 8])
+    assert warm.token_ids == cold.token_ids
+    assert sum(step.tokens("prefill") for step in steps) < len(prompt), "the cached blocks were not computed again"
+
+
+@pytest.fixture
+async def gpu_engine(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, gpu_llama: PreTrainedModel, make_backend: BackendFactory
+) -> AsyncIterator[Engine]:
+    """An engine on the GPU model over a store with a device tier on the GPU, a pinned host tier and a disk tier."""
+    backend = make_backend(gpu_llama)
+    geometry = backend.geometry
+    layout = BlockLayout(geometry.block_shape, geometry.dtype)
+    config = StoreConfig(TierConfig(64 * layout.nbytes), TierConfig(64 * layout.nbytes), TierConfig(256 << 20))
+    store = TieredStore.open(tmp_path / "store", layout, config, device=GPU)
+    engine = Engine(backend, store, layout=load_settings().layout)
+    yield engine
+    await engine.close()
+
+
+async def test_the_engine_serves_a_repeated_prompt_from_the_device_tier_on_the_gpu(gpu_engine: Engine) -> None:
+    messages = [{"role": "system", "content": "You are terse. " * 12}, {"role": "user", "content": "Hi there"}]
+    request = PromptRequest(params=SamplingParams(max_tokens=6, temperature=0.0), messages=messages)
+    first = await gpu_engine.complete(request)
+    second = await gpu_engine.complete(request)
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens > 0
+    assert second.usage.cached_tokens_by_tier.get("device", 0) == second.usage.cached_tokens
+    assert second.text == first.text

@@ -16,7 +16,7 @@ from typing import Any
 from prefixgate.proxy.statistics import EngineStatsSnapshot, TenantStats
 from prefixgate.store import BlockKey, EntryInfo, TierStats
 
-_EVENTS = ("evictions", "expirations", "promotions", "demotions", "corrupt")
+_EVENTS = ("evictions", "expirations", "promotions", "demotions", "corrupt", "dropped_writes")
 
 
 @dataclass(frozen=True, slots=True)

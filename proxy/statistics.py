@@ -139,9 +139,19 @@ class EngineStats:
         ):
             lines += [f"# HELP prefixgate_store_{name} {help_text}", f"# TYPE prefixgate_store_{name} gauge"]
             lines += [f'prefixgate_store_{name}{{tier="{t.name}"}} {getattr(t, attribute)}' for t in tiers]
-        for counter in ("hits", "misses", "evictions", "expirations", "promotions", "demotions", "corrupt"):
+        counters = (
+            "hits",
+            "misses",
+            "evictions",
+            "expirations",
+            "promotions",
+            "demotions",
+            "corrupt",
+            "dropped_writes",
+        )
+        for counter in counters:
             lines += [
-                f"# HELP prefixgate_store_{counter}_total Block {counter}, by tier.",
+                f"# HELP prefixgate_store_{counter}_total Block {counter.replace('_', ' ')}, by tier.",
                 f"# TYPE prefixgate_store_{counter}_total counter",
             ]
             lines += [f'prefixgate_store_{counter}_total{{tier="{t.name}"}} {getattr(t, counter)}' for t in tiers]

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 _PAGE = 4096
 _MIN_MAP_BYTES = 64 << 20
 _BATCH = 64  # operations per write transaction: one fsync for many blocks
+_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +36,10 @@ class _Put:
 
 @dataclass(frozen=True, slots=True)
 class _Delete:
-    key: BlockKey
+    keys: tuple[BlockKey, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _Clear:
-    pass
-
-
-_Op = _Put | _Delete | _Clear | None  # None stops the writer
+_Op = _Put | _Delete | None  # None stops the writer
 
 
 class LMDBTier(Tier):
@@ -51,7 +47,11 @@ class LMDBTier(Tier):
 
     Reads run in the caller's thread (the store is never called on the event loop); every write goes through
     the writer thread, in batches, so inserts never wait for the disk. A block is visible to `get` from the
-    moment `put` returns. The map grows when full, and evicts once it reaches its ceiling.
+    moment `put` returns. At most `queue_bytes` of blocks wait for the writer; a `put` beyond that is dropped
+    and counted. The map is reserved once, at its ceiling; when it is full, the tier evicts by policy.
+
+    The tier's own blocks are those of its layout: the only blocks it lists, evicts and clears. Blocks of other
+    layouts in the same database belong to other models sharing the folder.
     """
 
     persistent = True
@@ -66,32 +66,34 @@ class LMDBTier(Tier):
         clock: Callable[[], float],
         name: str = "disk",
         map_bytes: int | None = None,
-        max_map_bytes: int | None = None,
+        queue_bytes: int = _QUEUE_BYTES,
     ) -> None:
         super().__init__(name, layout, capacity_bytes, policy, clock)
         self.path = path
         # Values take whole overflow pages; the ceiling leaves room for that and LMDB's own pages.
         value_pages = -(-(layout.nbytes + 1024) // _PAGE) + 1
         ceiling = self.capacity_blocks * value_pages * _PAGE * 5 // 4 + _MIN_MAP_BYTES
-        self._max_map_bytes = max_map_bytes or ceiling
-        start = min(self._max_map_bytes, map_bytes or 4 * _MIN_MAP_BYTES)
         # Token ids are every tenant's prompts: the folder and files are their owner's alone.
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # The map is opened at its ceiling and never resized: LMDB resizes safely only while no transaction of
+        # the process is open, and does not check, while readers here run in any thread at any time. Reserving
+        # the ceiling costs address space, not disk: the file grows only as pages are written (sparse on Linux).
+        # Processes sharing the folder with the same disk budget reserve the same map, so none outgrows another.
         self._env = lmdb.open(
             str(path),
-            map_size=start,
+            map_size=map_bytes or ceiling,
             subdir=True,
             mode=0o600,
             readahead=False,  # random block reads; readahead only pollutes the page cache
             max_readers=512,
         )
-        # The map may already be larger than asked for (another process grew it): keep that size.
-        self._env.set_mapsize(max(self._env.info()["map_size"], start))
         self._lock = threading.RLock()
         self._index: dict[BlockKey, BlockHeader] = {}
         # Writes queued but not yet committed: a _Put is served from here, a _Delete hides what is on disk.
         self._pending: dict[BlockKey, _Put | _Delete] = {}
-        self._clears_pending = 0  # while a clear is queued, nothing on disk is adopted
+        # Blocks queued and not yet written hold their tensors (on a GPU, device memory): at most this many.
+        self._max_unwritten = max(1, queue_bytes // layout.nbytes)
+        self._unwritten = 0
         self._queue: queue.Queue[_Op] = queue.Queue()
         self._load_index()
         self._writer = threading.Thread(target=self._write_loop, name=f"prefixgate-{name}-writer", daemon=True)
@@ -111,8 +113,6 @@ class LMDBTier(Tier):
     def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
         with self._lock:
             pending = self._pending.get(key)
-            if pending is None and self._clears_pending:
-                return None  # what is on disk is being cleared
         if isinstance(pending, _Delete):
             return None
         if pending is not None:
@@ -142,9 +142,20 @@ class LMDBTier(Tier):
         return block
 
     def peek(self, key: BlockKey) -> Block | None:
+        # A look, as inspection and explain take: no policy touch, no hit, nothing registered or dropped.
         with self._lock:
             header = self._index.get(key)
-        return None if header is None else self.get(key, header.tokens)
+            pending = self._pending.get(key)
+        if header is None:
+            return None
+        if isinstance(pending, _Put):
+            return pending.block
+        try:
+            with self._begin() as txn:
+                value = txn.get(key.digest)
+                return None if value is None else decode(key, value, self.layout)[0]
+        except CorruptBlockError:
+            return None  # the next `get` drops and counts it
 
     def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
         with self._lock:
@@ -163,17 +174,20 @@ class LMDBTier(Tier):
         with self._lock:
             return super().expired()
 
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
         self.layout.check(block)
-        op = _Put(block, pinned, ttl)
         with self._lock:
-            self._index[block.key] = self._header_of(op)
-            self._pending[block.key] = op
-            self.policy.insert(block.key, ttl=self._ttl_left(block.created, ttl), pinned=pinned)
-            self._queue.put(op)
+            if self._unwritten >= self._max_unwritten:
+                # Dropped rather than waited for: the caller holds the store's lock, so waiting for the disk would
+                # stall every lookup and fetch, and the blocks would only pile up in front of the store instead,
+                # their tensors still held. The block stays in its memory tier; only its disk copy is skipped.
+                self.counters.add("dropped_writes")
+                return False
+            self._enqueue(_Put(block, pinned, ttl))
+        return True
 
     def remove(self, key: BlockKey) -> bool:
-        op = _Delete(key)
+        op = _Delete((key,))
         with self._lock:
             held = self._index.pop(key, None) is not None
             self._pending[key] = op
@@ -185,9 +199,10 @@ class LMDBTier(Tier):
         block, attrs = self.peek(key), self.attrs(key)
         if block is None or attrs is None:
             return False
-        ttl = attrs[1]
-        # Rewritten through the writer, so the pin survives a restart like everything else on disk.
-        self.put(block, pinned=pinned, ttl=ttl)
+        # Rewritten through the writer, so the pin survives a restart like everything else on disk. Queued even
+        # when the writer is behind: a pin is an operator's request, rare and small next to write-throughs.
+        with self._lock:
+            self._enqueue(_Put(block, pinned, attrs[1]))
         return True
 
     def keys(self) -> list[BlockKey]:
@@ -215,15 +230,16 @@ class LMDBTier(Tier):
         )
 
     def clear(self) -> int:
+        # Deletes exactly the blocks this tier holds, never the whole database: other models' blocks, and those
+        # other processes wrote since this one last looked, share it.
         with self._lock:
-            count = len(self._index)
-            for key in self._index:
+            op = _Delete(tuple(self._index))
+            for key in op.keys:
                 self.policy.remove(key)
+                self._pending[key] = op
             self._index.clear()
-            self._pending.clear()
-            self._clears_pending += 1
-            self._queue.put(_Clear())
-        return count
+            self._queue.put(op)
+        return len(op.keys)
 
     def flush(self) -> None:
         """Wait until every write so far is on disk."""
@@ -240,10 +256,12 @@ class LMDBTier(Tier):
     def _begin(self, *, write: bool = False) -> lmdb.Transaction:
         try:
             return self._env.begin(write=write, buffers=True)
-        except lmdb.MapResizedError:
-            # Another process grew the map; adopt its size (0 means "what is on disk now") and go on.
-            self._env.set_mapsize(0)
-            return self._env.begin(write=write, buffers=True)
+        except lmdb.MapResizedError as error:
+            # Only a process that reserved a larger map can outgrow this one, which is never resized (see __init__).
+            raise StoreError(
+                f"another process opened {self.path} with a larger disk budget and its blocks outgrew this "
+                "process's map; give every process that shares the store folder the same disk budget"
+            ) from error
 
     def _load_index(self) -> None:
         found: list[tuple[BlockKey, BlockHeader]] = []
@@ -264,17 +282,16 @@ class LMDBTier(Tier):
         # Oldest first, so the policy's order starts as the order of creation.
         for key, header in sorted(found, key=lambda item: item[1].created):
             self._register(key, header)
-        for key_bytes in broken:
-            self.counters.add("corrupt")
-            self._queue.put(_Delete(BlockKey(key_bytes)))
         if broken:
+            self.counters.add("corrupt", len(broken))
+            self._queue.put(_Delete(tuple(BlockKey(key_bytes) for key_bytes in broken)))
             log.warning("dropped %d unreadable blocks from %s", len(broken), self.path)
 
     def _adopt(self, key: BlockKey) -> BlockHeader | None:
         """Register a block another process wrote, so this one serves and evicts it too."""
         with self._lock:
-            if key in self._pending or self._clears_pending:
-                return None  # this process is deleting what is on disk
+            if key in self._pending:
+                return None  # this process is writing or deleting it
         with self._begin() as txn:
             value = txn.get(key.digest)
             if value is None:
@@ -309,6 +326,14 @@ class LMDBTier(Tier):
     def _fits(self, header: BlockHeader) -> bool:
         return header.shape == self.layout.shape and header.dtype == self.layout.dtype_name
 
+    def _enqueue(self, op: _Put) -> None:
+        """Queue a block for the writer, serving it from memory meanwhile; the caller holds the lock."""
+        self._index[op.block.key] = self._header_of(op)
+        self._pending[op.block.key] = op
+        self.policy.insert(op.block.key, ttl=self._ttl_left(op.block.created, op.ttl), pinned=op.pinned)
+        self._unwritten += 1
+        self._queue.put(op)
+
     def _header_of(self, op: _Put) -> BlockHeader:
         block = op.block
         return BlockHeader(
@@ -335,19 +360,20 @@ class LMDBTier(Tier):
                 except queue.Empty:
                     break
             ops = [op for op in batch if op is not None]
-            landed: list[_Put | _Delete | _Clear] = []
+            queued = sum(isinstance(op, _Put) for op in ops)  # counted before a full map turns some into deletes
+            landed: list[_Put | _Delete] = []
             try:
                 landed = self._write(ops)
             except Exception:  # the writer must outlive any one bad batch, or every later write is lost
                 log.exception("writing %d operations to %s failed", len(ops), self.path)
             finally:
-                self._settle(ops, landed)
+                self._settle(ops, landed, queued)
                 for _ in batch:
                     self._queue.task_done()
             if len(ops) < len(batch):
                 return
 
-    def _write(self, batch: list[_Put | _Delete | _Clear]) -> list[_Put | _Delete | _Clear]:
+    def _write(self, batch: list[_Put | _Delete]) -> list[_Put | _Delete]:
         """Commit the batch in one transaction; when it cannot fit, commit what fits one by one."""
         try:
             self._commit(batch)
@@ -364,7 +390,7 @@ class LMDBTier(Tier):
                 log.warning("%s", error)
         return landed
 
-    def _commit(self, batch: list[_Put | _Delete | _Clear]) -> None:
+    def _commit(self, batch: list[_Put | _Delete]) -> None:
         values = {id(op): encode(op.block, pinned=op.pinned, ttl=op.ttl) for op in batch if isinstance(op, _Put)}
         while True:
             try:
@@ -372,50 +398,38 @@ class LMDBTier(Tier):
                     for op in batch:
                         if isinstance(op, _Put):
                             txn.put(op.block.key.digest, values[id(op)])
-                        elif isinstance(op, _Delete):
-                            txn.delete(op.key.digest)
                         else:
-                            txn.drop(self._env.open_db(txn=txn), delete=False)
+                            for key in op.keys:
+                                txn.delete(key.digest)
                 return
             except lmdb.MapFullError as error:
-                if not self._grow_map() and not self._evict_one(batch):
+                if not self._evict_one(batch):
                     raise StoreError(
                         f"{self.path} is full of pinned blocks; a block was not written. "
                         "Unpin some blocks or raise the disk budget"
                     ) from error
 
-    def _settle(self, batch: list[_Put | _Delete | _Clear], landed: list[_Put | _Delete | _Clear]) -> None:
-        """Retire the pending marks of a batch; blocks that never reached the disk are forgotten."""
+    def _settle(self, batch: list[_Put | _Delete], landed: list[_Put | _Delete], queued: int) -> None:
+        """Retire a batch's pending marks and its `queued` blocks; forget blocks that never reached the disk."""
         landed_ids = {id(op) for op in landed}
         with self._lock:
+            self._unwritten -= queued
             for op in batch:
-                if isinstance(op, _Clear):
-                    self._clears_pending -= 1
-                    continue
-                key = op.block.key if isinstance(op, _Put) else op.key
-                if self._pending.get(key) is op:
-                    del self._pending[key]
-                    if isinstance(op, _Put) and id(op) not in landed_ids:
-                        self._index.pop(key, None)
-                        self.policy.remove(key)
+                for key in (op.block.key,) if isinstance(op, _Put) else op.keys:
+                    if self._pending.get(key) is op:
+                        del self._pending[key]
+                        if isinstance(op, _Put) and id(op) not in landed_ids:
+                            self._index.pop(key, None)
+                            self.policy.remove(key)
 
-    def _grow_map(self) -> bool:
-        size = self._env.info()["map_size"]
-        if size >= self._max_map_bytes:
-            return False
-        new_size = min(size * 2, self._max_map_bytes)
-        log.info("growing %s map from %d to %d bytes", self.path, size, new_size)
-        self._env.set_mapsize(new_size)
-        return True
-
-    def _evict_one(self, batch: list[_Put | _Delete | _Clear]) -> bool:
+    def _evict_one(self, batch: list[_Put | _Delete]) -> bool:
         """Make room in a map at its ceiling: delete the policy's victim in the same transaction."""
         with self._lock:
             victim = self.victim()
             if victim is None:
                 return False
             del self._index[victim]
-            delete = self._pending[victim] = _Delete(victim)
+            delete = self._pending[victim] = _Delete((victim,))
             self.policy.remove(victim)
         self.counters.add("evictions")
         batch[:] = [

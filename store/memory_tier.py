@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
 from prefixgate.store.block import Block, BlockLayout
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.tier import EntryInfo, Tier
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as PyTorch registers memory
+
+
+def pins_pool(pool: torch.device, model: torch.device) -> bool:
+    """Return whether a pool on `pool` is pinned: CPU memory that blocks move to and from a CUDA model through."""
+    # A pool on the GPU cannot be pinned (PyTorch refuses), and pinning for a model on the CPU buys nothing.
+    return pool.type == "cpu" and model.type == "cuda"
 
 
 @dataclass(slots=True)
@@ -24,8 +34,8 @@ class _Slot:
 class MemoryTier(Tier):
     """Blocks in one preallocated tensor on a device: no allocation per block, no fragmentation.
 
-    The device tier lives on the model's device; the host tier on CPU memory, pinned when CUDA is present so
-    copies to the GPU run asynchronously.
+    The device tier lives on the model's device; the host tier on CPU memory, pinned (`pin_memory`, see
+    `pins_pool`) when the model is on a GPU, so copies to it run asynchronously.
     """
 
     def __init__(
@@ -43,12 +53,14 @@ class MemoryTier(Tier):
         self.device = torch.device(device)
         slots = self.capacity_blocks
         # pool: [slots, layers, 2, kv_heads, block_size, head_dim]
-        self._pool = torch.empty(
-            (slots, *layout.shape),
-            dtype=layout.dtype,
-            device=self.device,
-            pin_memory=pin_memory and slots > 0,
-        )
+        self._pool = torch.empty((slots, *layout.shape), dtype=layout.dtype, device=self.device)
+        # Pinned by registering the pool's own pages, not by allocating it with pin_memory=True: PyTorch's pinned
+        # allocator rounds every allocation up to a power of two, so a 10 GiB host tier would lock 16 GiB of RAM.
+        # The finalizer unregisters them on close, or when the tier is dropped unclosed (a failed open).
+        self._unpin: weakref.finalize[[], MemoryTier] | None = None
+        if pin_memory and slots > 0:
+            self._unpin = weakref.finalize(self, _pin(self._pool, name))
+            self._unpin.atexit = False  # at exit the process's end releases the pages anyway
         # Pop from the end: the lowest slots are used first, which keeps a small working set warm in caches.
         self._free = list(range(slots - 1, -1, -1))
         self._slots: dict[BlockKey, _Slot] = {}
@@ -81,7 +93,7 @@ class MemoryTier(Tier):
         slot = self._slots.get(key)
         return None if slot is None else (slot.pinned, slot.ttl)
 
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
         self.layout.check(block)
         slot = self._slots.get(block.key)
         if slot is None:
@@ -95,6 +107,7 @@ class MemoryTier(Tier):
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
         self._slots[block.key] = _Slot(index, stored, pinned, ttl)
         self.policy.insert(block.key, ttl=self._ttl_left(block.created, ttl), pinned=pinned)
+        return True
 
     def remove(self, key: BlockKey) -> bool:
         slot = self._slots.pop(key, None)
@@ -137,3 +150,29 @@ class MemoryTier(Tier):
             hits=times.hits,
             pinned=slot.pinned,
         )
+
+    def close(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+
+
+def _pin(pool: torch.Tensor, name: str) -> Callable[[], None]:
+    """Page-lock the pool's memory for CUDA where it lies; return what unlocks it."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    pointer, size = pool.data_ptr(), pool.untyped_storage().nbytes()
+    try:
+        torch.cuda.check_error(cudart.cudaHostRegister(pointer, size, _HOST_REGISTER_PORTABLE))
+    except RuntimeError as error:
+        # Raised, not logged and served unpinned: the failed call stays CUDA's "last error" in this thread, and
+        # the next kernel launch checked there would fail with it, far from its cause.
+        raise StoreError(
+            f"could not pin the {name} tier's {size} bytes of host memory for CUDA ({error}); give the {name} tier "
+            "a smaller budget, one this machine can lock"
+        ) from error
+
+    def unpin() -> None:
+        # Copies out of the pool may still be in flight (they are asynchronous): let them finish first.
+        torch.cuda.synchronize()
+        torch.cuda.check_error(cudart.cudaHostUnregister(pointer))
+
+    return unpin

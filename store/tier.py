@@ -47,6 +47,7 @@ class TierStats:
     promotions: int
     demotions: int
     corrupt: int
+    dropped_writes: int  # blocks not written to this tier because its writer was too far behind
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     corrupt: int = 0
+    dropped_writes: int = 0
 
     def add(self, name: str, amount: int = 1) -> None:
         """Add `amount` to the counter `name`, atomically with other adds."""
@@ -146,10 +148,12 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> None:
-        """Hold `block`, replacing any block of the same key; the caller has made room.
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+        """Hold `block`, replacing any block of the same key; the caller has made room. Return whether it was taken.
 
-        `ttl` is the block's own lifetime in seconds from `block.created`, overriding the policy's default.
+        `ttl` is the block's own lifetime in seconds from `block.created`, overriding the policy's default. Only a
+        tier that writes in the background refuses a block, and counts it in `dropped_writes`: when its writer is
+        too far behind.
         """
 
     @abstractmethod

@@ -17,7 +17,7 @@ from prefixgate.policies import Policy, make_policy
 from prefixgate.store.block import Block, BlockLayout
 from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret
 from prefixgate.store.lmdb_tier import LMDBTier
-from prefixgate.store.memory_tier import MemoryTier
+from prefixgate.store.memory_tier import MemoryTier, pins_pool
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
 
 DISK_FOLDER = "blocks.lmdb"
@@ -102,11 +102,10 @@ class TieredStore:
             raise RuntimeError(f"all tiers must share one block layout, got {layouts}")
         self.layout = tiers[0].layout
         self.tiers = tuple(tiers)
-        self.device = torch.device(device)  # where fetched prefixes land: the model's device
+        self.device = _indexed(torch.device(device))  # where fetched prefixes land: the model's device
         self._secret = secret
         self._clock = clock
         self._lock = threading.RLock()
-        self._seeds: dict[Namespace, bytes] = {}
         persistent = [tier for tier in tiers if tier.persistent]
         assert len(persistent) <= 1 and (not persistent or persistent[0] is tiers[-1]), "disk goes last"
         self._disk = persistent[0] if persistent else None
@@ -124,10 +123,9 @@ class TieredStore:
         """Open (or create) the store in `folder`; with no folder there is no disk tier and nothing persists."""
         device = torch.device(device)
         tiers: list[Tier] = []
-        pin = torch.cuda.is_available()
         for name, tier_config, tier_device in (
             ("device", config.device, device),
-            ("host", config.host, "cpu"),
+            ("host", config.host, torch.device("cpu")),
         ):
             if tier_config.capacity_bytes > 0:
                 policy = _policy(tier_config, clock)
@@ -139,7 +137,7 @@ class TieredStore:
                         policy,
                         clock=clock,
                         device=tier_device,
-                        pin_memory=pin,
+                        pin_memory=pins_pool(tier_device, device),
                     )
                 )
         if folder is not None and config.disk.capacity_bytes > 0:
@@ -157,10 +155,9 @@ class TieredStore:
     def seed(self, namespace: Namespace) -> bytes:
         """Return the chain seed of `namespace` in this deployment."""
         self._check_namespace(namespace)
-        seed = self._seeds.get(namespace)
-        if seed is None:
-            seed = self._seeds[namespace] = namespace.seed(self._secret)
-        return seed
+        # Computed each time (a few microseconds), not cached: clients choose `cache_salt`, so a cache of seeds by
+        # namespace would grow with every salt anyone sends.
+        return namespace.seed(self._secret)
 
     def reusable_keys(self, namespace: Namespace, tokens: Sequence[int]) -> tuple[BlockKey, ...]:
         """Return the keys of the full blocks a prompt may reuse: never its last token, which starts generation."""
@@ -385,12 +382,13 @@ class TieredStore:
         with self._lock:
             source = self.tiers[level]
             attrs = source.attrs(block.key)
-            if attrs is None or not self.tiers[0].can_hold(1):
+            # Inserted above before it leaves here: when the top tier cannot take it (full of pinned blocks), it
+            # stays where it is rather than being lost.
+            if attrs is None or not self._insert(0, block, *attrs):
                 return
             if not source.persistent:
                 source.remove(block.key)
-            if self._insert(0, block, *attrs):
-                source.counters.add("promotions")
+            source.counters.add("promotions")
 
     def _insert(self, level: int, block: Block, pinned: bool, ttl: float | None) -> bool:
         """Put a block in one tier, demoting its victims; return False when the tier cannot take it."""
@@ -403,8 +401,7 @@ class TieredStore:
                 if victim is None:
                     return False  # everything here is pinned
                 self._demote(level, victim)
-        tier.put(block, pinned=pinned, ttl=ttl)
-        return True
+        return tier.put(block, pinned=pinned, ttl=ttl)
 
     def _demote(self, level: int, key: BlockKey) -> None:
         tier = self.tiers[level]
@@ -445,3 +442,10 @@ class TieredStore:
 
 def _policy(config: TierConfig, clock: Callable[[], float]) -> Policy:
     return make_policy(config.policy, clock=clock, ttl=config.ttl, idle_ttl=config.idle_ttl)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """Return `device` with its index: tensors on "cuda" report "cuda:0", and `fetch(out=)` compares the two."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

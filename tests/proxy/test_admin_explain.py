@@ -122,6 +122,21 @@ async def test_explain_is_a_dry_run_that_loads_moves_and_counts_nothing(serve: S
     assert (engine.store.stats(), engine.stats.snapshot(), engine.store.entries()) == before
 
 
+async def test_explain_of_a_partial_hit_reads_the_nearest_blocks_without_touching_any_tier(serve: Serve) -> None:
+    client = await serve(admin_key=ADMIN_KEY)
+    await admin(client, "POST", "/admin/cache/warm", chat("What is the capital of France?"))  # stored on return
+    store = engine_of(client).store
+    for flushed in ("nothing", "host"):  # nearest blocks read from the host tier, then from the disk tier alone
+        if flushed == "host":
+            store.flush("host")
+        before = (store.stats(), store.entries(), [tier.victim() for tier in store.tiers])
+        explained = await explain(client, chat("What is the capital of Spain?"))
+        assert 0 < explained["cached_tokens"] < explained["reusable_tokens"]
+        assert explained["departure"]["nearest"] is not None, "the nearest cached block was read"
+        # Hit counts, last use and each tier's eviction order are as they were.
+        assert (store.stats(), store.entries(), [tier.victim() for tier in store.tiers]) == before, flushed
+
+
 async def test_explain_for_a_tenant_sees_only_that_tenants_cache(serve: Serve) -> None:
     client = await serve(admin_key=ADMIN_KEY, api_keys={"key-a": "acme", "key-b": "globex"})
     await cached(client, chat(), "key-a")

@@ -1,4 +1,5 @@
-"""The LMDB tier's own behaviour: a map that grows, a ceiling that evicts, and surviving SIGKILL."""
+"""The LMDB tier's own behaviour: a map reserved at its ceiling, evicting there, a bounded writer queue, sharing
+with another process, and surviving SIGKILL."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,26 +31,112 @@ def big_blocks(count: int) -> list[Block]:
     ]
 
 
-def open_tier(path: Path, capacity_blocks: int, **map_sizes: int) -> LMDBTier:
+def open_tier(path: Path, capacity_blocks: int, **sizes: int) -> LMDBTier:
     clock = FakeClock()
     policy = make_policy("lru", clock=clock)
-    return LMDBTier(path, BIG, capacity_blocks * BIG.nbytes, policy, clock=clock, **map_sizes)
+    return LMDBTier(path, BIG, capacity_blocks * BIG.nbytes, policy, clock=clock, **sizes)
 
 
-def test_a_full_map_grows_instead_of_failing(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, 100, map_bytes=1 << 20)
-    blocks = big_blocks(40)  # 5 MiB into a 1 MiB map
-    for block in blocks:
+def test_the_map_is_reserved_at_its_ceiling_at_open_and_the_file_grows_only_as_written(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, 3000)  # a 375 MiB budget
+    assert tier._env.info()["map_size"] >= 3000 * BIG.nbytes
+    assert (tmp_path / "data.mdb").stat().st_blocks * 512 < 1 << 20  # reserved address space, not disk
+    tier.close()
+
+
+def test_a_tier_filled_to_its_budget_serves_readers_in_other_threads_throughout(tmp_path: Path) -> None:
+    capacity = 48
+    tier = open_tier(tmp_path, capacity)
+    map_size = tier._env.info()["map_size"]
+    blocks = big_blocks(capacity + 16)
+    read, written = blocks[:8], blocks[8:]
+    for block in read:
         tier.put(block)
     tier.flush()
-    assert tier._env.info()["map_size"] > 5 << 20
-    assert all(tier.get(block.key, block.tokens) is not None for block in blocks)
-    assert tier.counters.evictions == 0
+    started = [threading.Event() for _ in range(4)]
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def reader(started: threading.Event) -> None:
+        while not stop.is_set():
+            for block in read:
+                got = tier.get(block.key, block.tokens)
+                if got is None or not torch.equal(got.kv, block.kv):
+                    failures.append(f"block {block.tokens[0] // 16} was not served whole")
+            started.set()
+
+    threads = [threading.Thread(target=reader, args=(event,)) for event in started]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        event.wait()  # every reader is reading before the writes begin
+    for block in written[: capacity - len(read)]:  # up to the budget
+        tier.put(block)
+    for old, new in zip(written, written[capacity - len(read) :], strict=False):  # then churn at the budget
+        tier.remove(old.key)
+        tier.put(new)
+    tier.flush()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert len(tier) == capacity and tier.counters.evictions == 0
+    assert all(tier.get(block.key, block.tokens) is not None for block in read + written[16:])
+    assert tier._env.info()["map_size"] == map_size
+    tier.close()
+
+
+SHARER = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.store.test_lmdb_tier import big_blocks, open_tier
+tier = open_tier(Path({path!r}), {capacity})
+blocks = big_blocks({count})
+print(sum(tier.get(block.key, block.tokens) is not None for block in blocks[:{theirs}]))
+for block in blocks[{theirs}:]:
+    tier.put(block)
+tier.close()
+"""
+
+
+def test_two_processes_fill_one_store_to_near_its_budget_and_each_reads_the_others_blocks(tmp_path: Path) -> None:
+    capacity, count, ours = 64, 60, 8
+    tier = open_tier(tmp_path, capacity)
+    map_size = tier._env.info()["map_size"]
+    blocks = big_blocks(count)
+    for block in blocks[:ours]:
+        tier.put(block)
+    tier.flush()
+    script = SHARER.format(repo=str(REPO), path=str(tmp_path), capacity=capacity, count=count, theirs=ours)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == str(ours)  # the other process read every block this one wrote
+    for block in blocks:  # and this one reads every block the other wrote
+        got = tier.get(block.key, block.tokens)
+        assert got is not None and torch.equal(got.kv, block.kv)
+    assert len(tier) == count and tier._env.info()["map_size"] == map_size
+    tier.close()
+
+
+def test_a_writer_too_far_behind_drops_further_blocks_and_counts_them(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, 100, queue_bytes=2 * BIG.nbytes)
+    blocks = big_blocks(4)
+    with tier._env.begin(write=True):  # holds LMDB's write lock: the writer cannot commit anything yet
+        assert [tier.put(block) for block in blocks] == [True, True, False, False]
+        assert tier.counters.dropped_writes == 2
+        assert tier.keys() == [blocks[0].key, blocks[1].key]
+        assert tier.get(blocks[1].key, blocks[1].tokens) is not None  # queued blocks are served meanwhile
+    tier.flush()
+    assert tier.put(blocks[2])  # the writer caught up: room again
+    tier.flush()
+    assert [tier.get(block.key, block.tokens) is not None for block in blocks] == [True, True, True, False]
+    assert tier.stats().dropped_writes == 2
     tier.close()
 
 
 def test_a_map_at_its_ceiling_evicts_least_recently_used_blocks(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, 100, map_bytes=1 << 20, max_map_bytes=2 << 20)
+    tier = open_tier(tmp_path, 100, map_bytes=2 << 20)  # a map smaller than the budget: full before the tier is
     blocks = big_blocks(30)  # 3.75 MiB of payload into a 2 MiB ceiling
     for block in blocks:
         tier.put(block)
@@ -61,7 +149,7 @@ def test_a_map_at_its_ceiling_evicts_least_recently_used_blocks(tmp_path: Path) 
 
 
 def test_a_map_full_of_pinned_blocks_drops_the_new_write_and_keeps_the_old(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, 100, map_bytes=1 << 20, max_map_bytes=1 << 20)
+    tier = open_tier(tmp_path, 100, map_bytes=1 << 20)
     blocks = big_blocks(12)
     for block in blocks:
         tier.put(block, pinned=True)

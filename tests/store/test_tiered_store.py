@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 
 from prefixgate.errors import StoreError
-from prefixgate.store import BlockKey, EntryInfo, TieredStore
+from prefixgate.policies import make_policy
+from prefixgate.store import Block, BlockKey, BlockLayout, EntryInfo, Namespace, TieredStore, chain_keys
+from prefixgate.store.lmdb_tier import LMDBTier
+from prefixgate.store.memory_tier import MemoryTier, pins_pool
 from prefixgate.store.tiered_store import StoreConfig, TierConfig
 from tests.store.conftest import (
     BLOCK,
@@ -199,6 +203,20 @@ def test_a_per_block_ttl_survives_moves_between_tiers(open_store: StoreFactory, 
     assert store.fetch(NS, PROMPT).cached_tokens == 0
 
 
+def test_a_promotion_the_top_tier_cannot_take_leaves_the_block_where_it_was(open_store: StoreFactory) -> None:
+    store = open_store(config(device=2 * BLOCK, host=4 * BLOCK), folder=None)  # no disk tier to fall back on
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:2], pinned=True)  # the device tier is full of pinned blocks
+    store.put(blocks[2:5])  # three blocks: too many for the device tier, so they go to the host tier
+    assert tiers_of(store) == ("device", "device", "host", "host", "host")
+    hit = store.fetch(NS, PROMPT)
+    assert hit.tiers == ("device", "device", "host", "host", "host")
+    assert all(torch.equal(got.kv, block.kv) for got, block in zip(hit.blocks, blocks, strict=False))
+    assert tiers_of(store) == ("device", "device", "host", "host", "host")  # kept, not lost
+    assert store.fetch(NS, PROMPT).cached_tokens == 20
+    assert store.stats()[1].promotions == 0
+
+
 def test_pinned_blocks_are_never_evicted_until_unpinned(open_store: StoreFactory) -> None:
     store = open_store(config(host=2 * BLOCK))
     blocks = make_blocks(store, PROMPT)
@@ -239,6 +257,72 @@ def test_flush_one_tier_or_everything(open_store: StoreFactory) -> None:
     assert store.lookup(NS, PROMPT).cached_tokens == 0
     with pytest.raises(StoreError, match="this store has: host, disk"):
         store.flush("gpu")
+
+
+def test_flushing_the_disk_tier_keeps_the_blocks_of_another_model_sharing_its_database(
+    open_store: StoreFactory, tmp_path: Path, clock: FakeClock
+) -> None:
+    other_layout = BlockLayout(LAYOUT.shape, torch.float16)  # another model: its blocks are float16
+    other = Namespace("model-b", "tok", "float16", LAYOUT.shape)
+    with TieredStore.open(tmp_path, other_layout, config(), clock=clock) as store_b:
+        keys = chain_keys(store_b.seed(other), PROMPT, LAYOUT.block_size)
+        theirs = [
+            Block(key, tuple(PROMPT[i * 4 : i * 4 + 4]), make_kv(i).half(), parent=keys[i - 1] if i else None)
+            for i, key in enumerate(keys)
+        ]
+        store_b.put(theirs)
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    assert store.flush("disk") == 6  # this model's blocks: the database holds twelve
+    store.close()
+    with TieredStore.open(tmp_path, other_layout, config(), clock=clock) as store_b:
+        hit = store_b.fetch(other, PROMPT + [0])
+        assert hit.tiers == ("disk",) * 6
+        assert all(torch.equal(got.kv, block.kv) for got, block in zip(hit.blocks, theirs, strict=True))
+    assert open_store().lookup(NS, PROMPT + [0]).cached_tokens == 0
+
+
+def test_reading_a_block_moves_and_counts_nothing_in_any_tier(open_store: StoreFactory) -> None:
+    store = open_store(config(device=2 * BLOCK, host=2 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    for block in blocks[:5]:
+        store.put([block])
+    store.wait_for_disk()
+    assert tiers_of(store) == ("disk", "host", "host", "device", "device")
+
+    def state() -> object:
+        return store.stats(), store.entries(), [tier.victim() for tier in store.tiers]
+
+    before = state()
+    for block in blocks[:5]:
+        read = store.read(block.key)
+        assert read is not None and torch.equal(read.kv, block.kv)
+    assert state() == before
+
+
+def test_a_disk_writer_too_far_behind_drops_write_throughs_keeps_them_in_memory_and_counts_them(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    host = MemoryTier("host", LAYOUT, 8 * BLOCK, make_policy("lru", clock=clock), clock=clock)
+    lru = make_policy("lru", clock=clock)
+    disk = LMDBTier(tmp_path, LAYOUT, 64 * BLOCK, lru, clock=clock, queue_bytes=2 * BLOCK)
+    with TieredStore([host, disk], secret=bytes(32), clock=clock) as store:
+        blocks = make_blocks(store, PROMPT)
+        with disk._env.begin(write=True):  # holds LMDB's write lock: the disk writer cannot commit yet
+            assert store.put(blocks[:4]) == 4
+        store.wait_for_disk()
+        assert [(stats.name, stats.entries, stats.dropped_writes) for stats in store.stats()] == [
+            ("host", 4, 0),
+            ("disk", 2, 2),
+        ]
+        assert store.fetch(NS, PROMPT).tiers == ("host",) * 4  # every block is still served
+
+
+def test_only_a_cpu_pool_serving_a_cuda_model_is_pinned() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert pins_pool(cpu, cuda)  # the host tier of a model on a GPU
+    assert not pins_pool(cuda, cuda)  # the device tier: GPU memory cannot be pinned
+    assert not pins_pool(cpu, cpu)  # host and device tiers of a model on the CPU: nothing to copy to a GPU
 
 
 def test_entries_filter_by_tier_and_tenant(open_store: StoreFactory) -> None:
@@ -369,3 +453,19 @@ def test_the_store_folder_secret_and_lmdb_files_are_their_owners_alone(
     assert modes.pop("secret") == 0o600
     assert modes, "the LMDB tier's folder and files are there too"
     assert all(mode == (0o700 if (folder / name).is_dir() else 0o600) for name, mode in modes.items()), modes
+
+
+def test_seeding_many_salted_namespaces_keeps_nothing_per_namespace(open_store: StoreFactory) -> None:
+    # Clients choose `cache_salt`: whatever the store remembers per namespace would grow with every salt sent.
+    store = open_store()
+    salted = [make_namespace(tenant=f"salt-{i}") for i in range(20_000)]
+    store.seed(salted[0])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        seeds = {store.seed(namespace) for namespace in salted}
+        del seeds
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 100_000, f"the store kept {kept} bytes for 20,000 namespaces"

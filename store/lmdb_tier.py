@@ -374,7 +374,10 @@ class LMDBTier(Tier):
                 return
 
     def _write(self, batch: list[_Put | _Delete]) -> list[_Put | _Delete]:
-        """Commit the batch in one transaction; when it cannot fit, commit what fits one by one."""
+        """Commit the batch in one transaction; when it cannot fit, commit what fits one by one.
+
+        Evictions made to fit are added to `batch`, landed or not, so `_settle` retires their pending marks too.
+        """
         try:
             self._commit(batch)
             return batch
@@ -382,12 +385,15 @@ class LMDBTier(Tier):
             if len(batch) == 1:
                 raise
         landed = []
-        for op in batch:
+        for op in list(batch):
+            attempt = [op]  # `_commit` adds its evictions here, and drops `op` if its own block is the victim
             try:
-                self._commit([op])
-                landed.append(op)
+                self._commit(attempt)
+                landed.extend(attempt)
             except StoreError as error:
                 log.warning("%s", error)
+            finally:
+                batch.extend(added for added in attempt if added is not op)
         return landed
 
     def _commit(self, batch: list[_Put | _Delete]) -> None:

@@ -3,6 +3,7 @@ with another process, and surviving SIGKILL."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -218,3 +219,74 @@ def test_sigkill_during_writes_leaves_only_whole_verified_blocks(tmp_path: Path)
         # Whole prompts of the earliest rounds are served, verified, from disk.
         prompt = [0] * 4 + list(range(64))
         assert store.fetch(make_namespace(), prompt + [1]).cached_tokens == 68
+
+
+REWRITER = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.store.test_lmdb_tier import big_blocks, open_tier
+tier = open_tier(Path({path!r}), 100, map_bytes={map_bytes})
+block = big_blocks({count})[{index}]
+tier.put(block)
+tier.flush()
+print(block.key in tier.keys())
+tier.close()
+"""
+
+
+class PutOnFirstFallbackWarning(logging.Handler):
+    """Put `block` from the writer thread when it first logs a write it could not fit, one op at a time."""
+
+    def __init__(self, tier: LMDBTier, block: Block) -> None:
+        super().__init__(logging.WARNING)
+        self.tier, self.block = tier, block
+        self.fired = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING and not self.fired.is_set():
+            self.fired.set()
+            self.tier.put(self.block)
+
+
+def test_a_block_evicted_while_writing_one_at_a_time_is_served_once_another_process_rewrites_it(
+    tmp_path: Path,
+) -> None:
+    map_bytes, count = 1 << 20, 20
+    tier = open_tier(tmp_path, 100, map_bytes=map_bytes)
+    blocks = big_blocks(count)
+    filler, late, evicted = blocks[:12], blocks[12:15], blocks[15]
+    for block in filler:  # more pinned blocks than the map holds: it ends full, with nothing to evict
+        tier.put(block, pinned=True)
+    tier.flush()
+    held = tier.keys()
+    assert 0 < len(held) < len(filler)
+    # Pinned writes that cannot fit: at least two share a batch, which fails and is retried one at a time. After
+    # the first of those fails, an unpinned block arrives (as another thread's put would), and the next retry
+    # evicts it to make room.
+    hook = PutOnFirstFallbackWarning(tier, evicted)
+    logger = logging.getLogger("prefixgate.store.lmdb_tier")
+    logger.addHandler(hook)
+    try:
+        # Holds LMDB's write lock: the writer commits nothing until all three are queued, so two share a batch.
+        with tier._env.begin(write=True):
+            for block in late:
+                tier.put(block, pinned=True)
+        tier.flush()
+    finally:
+        logger.removeHandler(hook)
+    assert hook.fired.is_set() and tier.counters.evictions == 1
+    assert tier.attrs(evicted.key) is None  # no longer held
+    # Room for another process to write the evicted block. Two commits: LMDB reuses the pages a commit frees only
+    # from the commit after next.
+    for key in held[:2]:
+        tier.remove(key)
+        tier.flush()
+    script = REWRITER.format(repo=str(REPO), path=str(tmp_path), map_bytes=map_bytes, count=count, index=15)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "True"  # the other process wrote it
+    got = tier.get(evicted.key, evicted.tokens)
+    assert got is not None and torch.equal(got.kv, evicted.kv)
+    assert tier._unwritten == 0
+    tier.close()

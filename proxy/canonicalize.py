@@ -125,7 +125,9 @@ def canonicalize_tools(
 
 
 # Lookahead rather than consuming the break, so every line ending (LF, CRLF, CR or the end) survives as it was.
-_TRAILING = re.compile(r"[ \t]+(?=\r\n|\r|\n|\Z)")
+# A run is tried only from its first character (the lookbehind) and never given back (possessive): tried from every
+# character of a long run of spaces that no line break follows, each try rescanning the rest, it was quadratic.
+_TRAILING = re.compile(r"(?<![ \t])[ \t]++(?=\r\n|\r|\n|\Z)")
 
 
 class _Number(str):

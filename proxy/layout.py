@@ -4,6 +4,10 @@ A date, time, UUID or request id inside a system or developer message makes ever
 two requests share KV blocks past it. `lay_out` replaces each such value with a placeholder that does not depend
 on the value (`[date 1]`) and appends the values to the last user message, where the model still reads them and
 where the prompt differs per request anyway. Patterns are a setting; `DEFAULT_PATTERNS` covers the usual ones.
+
+Every default pattern takes time linear in the text, however adversarial (`benchmarks/prepare_bench.py`). A custom
+pattern runs as written: one with two quantified runs that can match the same characters, before something that may
+fail, can take quadratic time or worse on a long prompt.
 """
 
 from __future__ import annotations
@@ -70,7 +74,20 @@ _MONTH_DAY = rf"{_MONTH}\s+{_DAY}"
 _DAY_MONTH = rf"(?i:the\s+)?{_DAY}\s+(?i:of\s+)?{_MONTH}"
 _ZONE = r"(?:\s?(?:UTC|GMT)\b|Z\b|[+-](?:[01]\d|2[0-3]):?[0-5]\d)"
 _CLOCK = r"(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d(?:[.,]\d{1,9})?)?"
-_LABEL_SEP = r"[\"']?\s*(?:[:=#]|\bis\b)?\s*[\"']?"
+# Between a label and its value. The spaces before the separator are inside its optional group, and both runs are
+# possessive: two plain `\s*` around an optional separator can split one run of spaces in n ways, and would try all
+# of them (quadratic) before a value that is not there fails.
+_LABEL_SEP = r"[\"']?(?:\s*+(?:[:=#]|\bis\b))?\s*+[\"']?"
+# A labeled id: 4 to 128 characters from the first letter or digit after the label to the last ASCII letter or
+# digit of that run of id characters, with a digit among them. The run is scanned at most 128 characters ahead:
+# an unbounded scan let labels chained inside one long token ("request_id:request_id:...") each rescan the rest of
+# it, quadratic in its length. A longer run is no id this pattern knows, and stays where it is.
+_ID_LENGTH = 128
+_ID_VALUE = (
+    rf"(?=[A-Za-z0-9])(?=[\w.:-]{{0,{_ID_LENGTH - 1}}}?\d)[A-Za-z0-9][\w.:-]{{2,{_ID_LENGTH - 2}}}[A-Za-z0-9]"
+    # what is left of the run holds no ASCII letter or digit: the value took all of them
+    r"(?=(?:[^\W0-9A-Za-z]|[.:-])*+(?![\w.:-]))"
+)
 
 DEFAULT_PATTERNS: tuple[DynamicPattern, ...] = (
     # ISO-8601 datetimes, extended ("2026-11-29T14:05:33.120+01:00", "2026-11-29 14:05Z") and basic forms.
@@ -92,8 +109,7 @@ DEFAULT_PATTERNS: tuple[DynamicPattern, ...] = (
     # stays; the value needs a digit, so "the request id is optional" stays as written.
     DynamicPattern(
         "request_id",
-        rf"(?i:\b(?:x-)?(?:request|req|trace|correlation|session)[ _-]?id\b){_LABEL_SEP}"
-        r"(?P<value>(?=[\w.:-]*\d)[A-Za-z0-9][\w.:-]{2,}[A-Za-z0-9])",
+        rf"(?i:\b(?:x-)?(?:request|req|trace|correlation|session)[ _-]?id\b){_LABEL_SEP}(?P<value>{_ID_VALUE})",
     ),
     # Prefixed ids ("req_8f3a91c2", "chatcmpl-9x8Y7z6W"), again only with a digit, so "req_timeout" stays.
     DynamicPattern(
@@ -149,9 +165,15 @@ def find_dynamic(text: str, patterns: Sequence[DynamicPattern] = DEFAULT_PATTERN
     # Longest first, so an ISO datetime claims its span before its date and time parts can; a simpler
     # leftmost-first pass would let a short match that starts earlier cut a longer value in two.
     candidates.sort(key=lambda candidate: candidate[:3])
+    # One byte per character marks what is taken, so a candidate is checked and claimed in time proportional to its
+    # own length. Comparing it with every value kept so far was quadratic in their number (8,000 dates: seconds);
+    # a left-to-right sweep is not enough, as candidates come longest first, not in text order. Each pattern's
+    # matches do not overlap one another, so all candidates together are at most len(patterns) times the text.
+    taken = bytearray(len(text))
     chosen: list[DynamicMatch] = []
     for *_, candidate in candidates:
-        if all(candidate.end <= kept.start or candidate.start >= kept.end for kept in chosen):
+        if taken.find(1, candidate.start, candidate.end) < 0:
+            taken[candidate.start : candidate.end] = b"\x01" * (candidate.end - candidate.start)
             chosen.append(candidate)
     return sorted(chosen, key=lambda kept: kept.start)
 

@@ -242,6 +242,20 @@ def test_text_rules_as_pure_functions() -> None:
     assert join_text_parts(parts("a", "", "b")) == "a\n\nb"
 
 
+@pytest.mark.parametrize(
+    ("text", "stripped"),
+    [
+        ("a" + " \t" * 500_000 + "b", "a" + " \t" * 500_000 + "b"),  # inside a line: kept
+        ("a" + " \t" * 500_000 + "\r\nb", "a\r\nb"),
+        ("a" + " " * 1_000_000, "a"),
+        (" " * 1_000_000, ""),
+    ],
+    ids=["inside a line", "before a break", "at the end", "nothing else"],
+)
+def test_a_megabyte_of_blanks_is_kept_inside_a_line_and_stripped_at_its_end(text: str, stripped: str) -> None:
+    assert strip_trailing_whitespace(text) == stripped
+
+
 def test_completion_prompts_keep_their_final_space_by_default() -> None:
     assert canonicalize_text("Paris is \r\n", DEFAULT_RULES) == "Paris is \n"
     assert canonicalize_text("Paris is \r\n", ALL_RULES) == "Paris is\n"

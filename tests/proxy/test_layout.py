@@ -6,12 +6,15 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixgate.errors import ConfigError, DynamicPatternError
 from prefixgate.proxy.layout import (
     BLOCK_INTRO,
     DEFAULT_PATTERNS,
     DynamicPattern,
+    LaidOut,
     MovedValue,
     describe,
     find_dynamic,
@@ -272,3 +275,77 @@ def test_default_patterns_have_plain_names() -> None:
         "request_id",
         "timestamp",
     }
+
+
+def restored(laid: LaidOut, index: int = 0) -> str:
+    """Return message `index` of a layout with each placeholder put back as the value it stands for."""
+    content: str = laid.messages[index]["content"]
+    counts: dict[str, int] = {}
+    pieces = []
+    position = 0
+    for value in (moved for moved in laid.moved if moved.message == index):
+        counts[value.pattern] = counts.get(value.pattern, 0) + 1
+        placeholder = f"[{value.pattern} {counts[value.pattern]}]"
+        found_at = content.index(placeholder, position)
+        pieces += [content[position:found_at], value.value]
+        position = found_at + len(placeholder)
+    return "".join(pieces) + content[position:]
+
+
+MEGABYTE = 1_000_000
+
+# The patterns' worst cases, and their relatives: each a long run that a pattern scans, with a value or without one.
+WORST_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("a label and a megabyte of spaces", "request id" + " " * MEGABYTE, []),
+    (
+        "a label, a megabyte of spaces, then its value",
+        "request id" + " " * MEGABYTE + "abc123",
+        [("request_id", "abc123")],
+    ),
+    ("a label, tabs and newlines, a colon", "request id" + " \t\n" * (MEGABYTE // 3) + ":", []),
+    ("labels chained in one token", "request_id:" * (MEGABYTE // 11), []),
+    ("labels chained with hyphens", "request-id-" * (MEGABYTE // 11), []),
+    ("a weekday and a megabyte of spaces", "Sunday," + " " * MEGABYTE + "the", []),
+    ("a timestamp label and spaces", "timestamp" + " " * MEGABYTE + "=", []),
+]
+
+
+@pytest.mark.parametrize(("text", "values"), [row[1:] for row in WORST_CASES], ids=[row[0] for row in WORST_CASES])
+def test_the_worst_cases_for_the_patterns_keep_their_meaning(text: str, values: list[tuple[str, str]]) -> None:
+    laid = lay_out(chat(text))
+    assert [(moved.pattern, moved.value) for moved in laid.moved] == values
+    assert restored(laid) == text
+
+
+def test_thousands_of_dates_each_move_and_put_back_give_the_original() -> None:
+    days = [f"{2000 + i // 336}-{i // 28 % 12 + 1:02d}-{i % 28 + 1:02d}" for i in range(8000)]
+    system = "Deadlines: " + " ".join(days)
+    laid = lay_out(chat(system))
+    assert [moved.value for moved in laid.moved] == days
+    assert laid.messages[0]["content"] == "Deadlines: " + " ".join(f"[date {i}]" for i in range(1, 8001))
+    assert restored(laid) == system
+    assert laid.messages[1]["content"].endswith(f"[date 8000] = {days[-1]})")
+
+
+def test_thousands_of_overlapping_matches_keep_only_the_longest() -> None:
+    text = " ".join(f"2026-11-{i % 28 + 1:02d}T14:{i % 60:02d}" for i in range(8000))  # each a date and a time too
+    matches = find_dynamic(text)
+    assert len(matches) == 8000 and {match.pattern for match in matches} == {"datetime"}
+
+
+def test_a_labeled_id_of_up_to_128_characters_moves_and_a_longer_run_stays() -> None:
+    longest = "a1" * 64
+    assert found(f"request id: {longest}.") == [("request_id", longest)]
+    assert found(f"request id: {longest}b.") == []
+
+
+FRAGMENTS = [" ", "\t", "\n", ":", "=", "-", "_", ".", "'", "a", "7", "é", "is", "id", "request", "req_", "trace id"]
+FRAGMENTS += ["2026-11-29", "T14:05", "14:05", " PM", "Sunday, ", "May", " 5", "29th of ", "ts=", "1764400000", UUID]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join))
+def test_putting_the_moved_values_back_gives_the_original_text(system: str) -> None:
+    laid = lay_out(chat(system))
+    assert restored(laid) == system
+    assert all(value.value and not value.value.isspace() for value in laid.moved)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from prefixgate.errors import RequestError
+from prefixgate.errors import ContextLengthError, RequestError
 
 if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
     from prefixgate.backends.admission import AdmissionStats
@@ -99,6 +99,22 @@ class TokenChunk:
     finish_reason: FinishReason | None
 
 
+def check_context(context_length: int, prompt_tokens: int, max_tokens: int = 0) -> None:
+    """Raise ContextLengthError unless a prompt and `max_tokens` more fit a context of `context_length` tokens."""
+    if prompt_tokens > context_length:
+        raise ContextLengthError(
+            f"this model's maximum context length is {context_length} tokens, but the prompt has {prompt_tokens}; "
+            "shorten the prompt",
+            param="prompt",
+        )
+    if prompt_tokens + max_tokens > context_length:
+        raise ContextLengthError(
+            f"this model's maximum context length is {context_length} tokens; the prompt has {prompt_tokens} and "
+            f"max_tokens asks for {max_tokens} more; lower max_tokens to at most {context_length - prompt_tokens}",
+            param="max_tokens",
+        )
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Render prompts to token ids and generate from them, starting from cached KV blocks."""
@@ -108,15 +124,22 @@ class Backend(Protocol):
     tokenizer_hash: str
     geometry: KVGeometry
     context_length: int
+    # The most characters a prompt that fits the context can have, whitespace or not, however it is normalized or
+    # rendered; None when the tokenizer gives no such bound. Longer text is refused without tokenizing it.
+    max_prompt_chars: int | None
     prefix_reuse: bool
     reuse_refusal: str | None
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render chat messages with the model's own template, ending with the assistant's turn."""
+        """Render chat messages with the model's own template, ending with the assistant's turn.
+
+        Blocking (call it in a worker thread). Raises ContextLengthError, without tokenizing, for a rendering longer
+        in characters than any prompt that fits the context; a shorter one may still have too many tokens.
+        """
         ...
 
     def render_text(self, prompt: str) -> list[int]:
-        """Tokenize a plain completion prompt."""
+        """Tokenize a plain completion prompt; blocking, and refusing text beyond any context as render_chat does."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:

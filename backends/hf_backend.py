@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from prefixgate.backends import sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
-from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk
+from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
 from prefixgate.backends.handoff import LoopHandoff
 from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
@@ -38,6 +38,11 @@ from prefixgate.errors import (
 
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
 _CPU_INTERLEAVED_TOKENS = 96  # SmolLM2 on 2 cores: 4 streams within 5x their pace, an 8k prompt within 1.3x of alone
+# Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
+# tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
+# with (which accent stripping drops); normalization form C leaves it as it is.
+_ROUND_TRIP_PROBE = "x  \t\n\n   q\u0301\u0302 z \r\n\t w   "
+_MOST_COMPOSED = 4  # the longest canonical decomposition in Unicode: at most 4 characters compose into one
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -84,6 +89,7 @@ class HFBackend:
         model.eval()  # type: ignore[no-untyped-call]
         self.model_id = model_id
         self.context_length = context_length or _context_length(model, tokenizer)
+        self.max_prompt_chars = _max_prompt_characters(tokenizer, self.context_length)
         self.geometry: KVGeometry = geometry_from_config(model.config, model.dtype, block_size)
         self._model = model
         self._tokenizer = tokenizer
@@ -158,16 +164,19 @@ class HFBackend:
             )
         tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
         try:
-            encoded = self._tokenizer.apply_chat_template(
-                messages, tools=tool_list, add_generation_prompt=True, tokenize=True, return_dict=True
+            # Rendered to text first, then tokenized as apply_chat_template(tokenize=True) does, so that text far
+            # beyond the context is refused before the tokenizer spends seconds on it.
+            text = self._tokenizer.apply_chat_template(
+                messages, tools=tool_list, add_generation_prompt=True, tokenize=False
             )
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
-        return [int(t) for t in encoded["input_ids"]]  # type: ignore[call-overload, index]
+        assert isinstance(text, str)
+        return self._tokenize(text, add_special_tokens=False)
 
     def render_text(self, prompt: str) -> list[int]:
         """Tokenize a plain completion prompt, with the tokenizer's usual special tokens (e.g. BOS)."""
-        return [int(t) for t in self._tokenizer(prompt)["input_ids"]]
+        return self._tokenize(prompt, add_special_tokens=True)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Turn token ids back into text, leaving out special tokens unless asked."""
@@ -179,7 +188,7 @@ class HFBackend:
         """Wait for KV memory for a prompt and its answer (see `Backend.reserve`); check the context length first."""
         if self._worker.failure is not None:
             raise ModelStoppedError(self._worker.failure)
-        self._check_length(prompt_tokens, max_tokens)
+        check_context(self.context_length, prompt_tokens, max_tokens)
         tokens = prompt_tokens + max_tokens
         nbytes = self._buffers.nbytes_for(tokens) if self._buffers is not None else 0
         await self._admission.enter(nbytes)
@@ -309,20 +318,16 @@ class HFBackend:
         """Stop the worker from synchronous code (see aclose)."""
         self._worker.close()
 
-    def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.context_length
-        if prompt_tokens > limit:
+    def _tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
             raise ContextLengthError(
-                f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens}; "
-                "shorten the prompt",
+                f"this model's maximum context length is {self.context_length} tokens, and the prompt has "
+                f"{len(text)} characters, more than that many tokens can hold (at most {limit} characters with this "
+                "model's tokenizer); shorten the prompt",
                 param="prompt",
             )
-        if prompt_tokens + max_tokens > limit:
-            raise ContextLengthError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} and "
-                f"max_tokens asks for {max_tokens} more; lower max_tokens to at most {limit - prompt_tokens}",
-                param="max_tokens",
-            )
+        return [int(t) for t in self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
 
     def _plan(
         self, token_ids: Sequence[int], cached_blocks: Sequence[torch.Tensor], *, max_tokens: int, prefill_only: bool
@@ -335,7 +340,7 @@ class HFBackend:
                 f"token ids must be between 0 and {self._vocab_size - 1} for model {self.model_id!r}",
                 param="prompt",
             )
-        self._check_length(len(prompt), max_tokens)
+        check_context(self.context_length, len(prompt), max_tokens)
         if cached_blocks and not self.prefix_reuse:
             raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
         check_blocks(cached_blocks, self.geometry)
@@ -432,6 +437,27 @@ def _context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
     if not length:
         raise ModelError("cannot tell the model's context length from its config; pass context_length=")
     return int(length)
+
+
+def _max_prompt_characters(tokenizer: PreTrainedTokenizerBase, context_length: int) -> int | None:
+    """Return the most characters a prompt of `context_length` tokens can have, or None when nothing bounds it.
+
+    No token stands for more characters than its vocabulary entry has: a byte-level BPE entry spells one byte per
+    character, a SentencePiece piece writes a space as one "▁" and a byte as "<0x0A>", and an added token is its
+    text. A tokenizer that gives its input back exactly puts every character into some token, so `n` characters
+    take at least `n / longest` tokens; its normalizer may still compose up to `_MOST_COMPOSED` characters into one
+    (NFC, NFKC). Whether the round trip holds is checked once, on a probe of what normalizers drop or collapse: a
+    tokenizer that fails it can shrink text without limit, so for it only the token count decides.
+    """
+    try:
+        ids = tokenizer.encode(_ROUND_TRIP_PROBE, add_special_tokens=False)
+        back = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer that cannot do this much is bounded by its token count alone
+        return None
+    if back != _ROUND_TRIP_PROBE or longest < 1:
+        return None
+    return context_length * longest * _MOST_COMPOSED
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from prefixgate.backends import Backend, BlockCallback, SamplingParams, TokenChunk
+from prefixgate.backends.backend import check_context
 from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -29,6 +30,7 @@ from prefixgate.proxy.canonicalize import (
 )
 from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
+from prefixgate.proxy.prompt_size import check_prompt_size
 from prefixgate.proxy.statistics import EngineStats
 from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
 
@@ -121,34 +123,9 @@ class Engine:
 
     async def prepare(self, request: PromptRequest) -> PreparedPrompt:
         """Canonicalize, lay out and render a request; key its blocks in the tenant's namespace."""
-        moved: tuple[MovedValue, ...] = ()
-        messages = None
-        if request.messages is not None:
-            messages = canonicalize_messages(request.messages, self._rules)
-            if request.layout and self._layout:
-                laid_out = lay_out(messages, self._patterns)
-                messages, moved = laid_out.messages, laid_out.moved
-            tools = canonicalize_tools(request.tools, self._rules)
-            token_ids = await asyncio.to_thread(self.backend.render_chat, messages, tools=tools)
-        else:
-            assert request.prompt is not None
-            token_ids = await asyncio.to_thread(
-                self.backend.render_text, canonicalize_text(request.prompt, self._rules)
-            )
-        if not token_ids:
-            raise RequestError("the prompt renders to no tokens; send some text", param="prompt")
-        namespace = self.namespace(request.tenant, request.cache_salt)
-        block_size = self.backend.geometry.block_size
-        keys = tuple(chain_keys(self.store.seed(namespace), token_ids, block_size))
-        return PreparedPrompt(
-            token_ids=tuple(token_ids),
-            namespace=namespace,
-            keys=keys,
-            reusable=(len(token_ids) - 1) // block_size,
-            moved=moved,
-            messages=messages,
-            tenant=request.tenant,
-        )
+        # One worker thread call for all of it: each step is CPU work in proportion to the prompt (a megabyte of text
+        # takes a second), which on the event loop would hold up every stream and /health meanwhile.
+        return await asyncio.to_thread(self._prepare, request)
 
     def namespace(self, tenant: str, cache_salt: str | None = None) -> Namespace:
         """Return the namespace of a tenant's blocks (split further by `cache_salt`)."""
@@ -242,16 +219,52 @@ class Engine:
         """Dry-run a request: how it is laid out, what of it is cached where, and why the rest is not."""
         prepared = await self.prepare(request)
         layout = request.messages is not None and request.layout and self._layout
-        canonical = canonicalize_messages(request.messages, self._rules) if request.messages is not None else None
-        return await asyncio.to_thread(
-            explain_prompt, self.store, self.backend, prepared, request.messages, canonical, self._patterns, layout
-        )
+        return await asyncio.to_thread(self._explain, prepared, request.messages, layout)
 
     async def close(self) -> None:
         """Stop the model, finish filing blocks and close the store."""
         await self.backend.aclose()
         await asyncio.to_thread(self._filer.shutdown, wait=True)
         await asyncio.to_thread(self.store.close)
+
+    # -- preparation, in worker threads ------------------------------------------------------------------------
+
+    def _prepare(self, request: PromptRequest) -> PreparedPrompt:
+        backend = self.backend
+        # Text far beyond the context is refused by counting characters, before the rules or the tokenizer read it.
+        check_prompt_size(request.messages, request.prompt, backend.context_length, backend.max_prompt_chars)
+        moved: tuple[MovedValue, ...] = ()
+        messages = None
+        if request.messages is not None:
+            messages = canonicalize_messages(request.messages, self._rules)
+            if request.layout and self._layout:
+                laid_out = lay_out(messages, self._patterns)
+                messages, moved = laid_out.messages, laid_out.moved
+            tools = canonicalize_tools(request.tools, self._rules)
+            token_ids = backend.render_chat(messages, tools=tools)
+        else:
+            assert request.prompt is not None
+            token_ids = backend.render_text(canonicalize_text(request.prompt, self._rules))
+        if not token_ids:
+            raise RequestError("the prompt renders to no tokens; send some text", param="prompt")
+        # Before the keys and the store: a prompt that cannot run is refused for every face, warm included.
+        check_context(backend.context_length, len(token_ids))
+        namespace = self.namespace(request.tenant, request.cache_salt)
+        block_size = backend.geometry.block_size
+        keys = tuple(chain_keys(self.store.seed(namespace), token_ids, block_size))
+        return PreparedPrompt(
+            token_ids=tuple(token_ids),
+            namespace=namespace,
+            keys=keys,
+            reusable=(len(token_ids) - 1) // block_size,
+            moved=moved,
+            messages=messages,
+            tenant=request.tenant,
+        )
+
+    def _explain(self, prepared: PreparedPrompt, original: list[dict[str, Any]] | None, layout: bool) -> Explanation:
+        canonical = canonicalize_messages(original, self._rules) if original is not None else None
+        return explain_prompt(self.store, self.backend, prepared, original, canonical, self._patterns, layout)
 
     # -- the cache ----------------------------------------------------------------------------------------------
 

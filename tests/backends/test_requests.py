@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, normalizers
 from transformers import PreTrainedTokenizerFast
 
-from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends import HFBackend, SamplingParams, StepRecord
 from prefixgate.errors import ContextLengthError, RequestError
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import GREEDY, collect
 from tests.backends.test_kv_reuse import make_prompt
-from tests.backends.tiny_models import make_llama
+from tests.backends.tiny_models import make_llama, make_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -143,3 +147,58 @@ def test_render_chat_without_a_template_says_to_use_completions(
     finally:
         tokenizer.chat_template = template
     assert caught.value.param == "messages"
+
+
+def test_render_chat_gives_the_tokens_the_chat_template_gives(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief.  \n\n"},
+        {"role": "user", "content": "What does <|im_end|> mean? naïve café 🙂"},
+    ]
+    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert make_backend().render_chat(messages) == encoded["input_ids"]
+
+
+def test_text_beyond_any_context_is_refused_before_it_is_tokenized(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make_backend()  # context 512
+    longest = max(map(len, tokenizer.get_vocab()))
+    assert backend.max_prompt_chars == 512 * longest * 4
+    tokenized: list[int] = []
+    call = type(tokenizer).__call__
+
+    def counted(self: PreTrainedTokenizerFast, text: Any, *args: Any, **kwargs: Any) -> Any:
+        tokenized.append(len(text))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counted)
+    fits = "a" * backend.max_prompt_chars
+    assert backend.render_text(fits) and tokenized == [len(fits)]
+    with pytest.raises(ContextLengthError, match=f"512 tokens, and the prompt has {len(fits) + 1} characters") as text:
+        backend.render_text(fits + "a")
+    with pytest.raises(ContextLengthError, match="shorten the prompt") as chat:
+        backend.render_chat([{"role": "user", "content": fits}])  # the template adds text of its own
+    assert text.value.param == chat.value.param == "prompt"
+    assert tokenized == [len(fits)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_no_text_has_fewer_tokens_than_the_character_bound_allows(
+    tokenizer: PreTrainedTokenizerFast, text: str
+) -> None:
+    longest = max(map(len, tokenizer.get_vocab()))
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) * longest >= len(text)
+
+
+def test_a_tokenizer_that_collapses_whitespace_bounds_no_prompt_by_characters() -> None:
+    collapsing = make_tokenizer()
+    collapsing.backend_tokenizer.normalizer = normalizers.Replace(Regex(r"\s+"), " ")
+    backend = HFBackend(make_llama(collapsing), collapsing, model_id="tiny-llama", block_size=8)
+    try:
+        assert backend.max_prompt_chars is None
+        assert len(backend.render_text("a" + " " * 100_000 + "b")) < 10  # so 100,000 characters may fit in 512 tokens
+    finally:
+        backend.close()

@@ -11,8 +11,10 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from prefixgate.backends import EMBEDDED_MODEL, HFBackend, SamplingParams, StepRecord, resolve_model
 from prefixgate.backends.model_resolver import embedded_gguf_path
@@ -49,6 +51,18 @@ def test_the_chat_template_renders_chatml(smollm2: HFBackend) -> None:
     assert smollm2.model_id == EMBEDDED_MODEL
     assert smollm2.prefix_reuse
     assert smollm2.geometry.block_shape == (30, 2, 3, 64, 64)
+
+
+def test_render_chat_gives_the_templates_tokens_and_a_bound_far_past_the_context(smollm2: HFBackend) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(EMBEDDED_MODEL).folder))
+    messages = [
+        {"role": "system", "content": "Be brief.\n\n   "},
+        {"role": "user", "content": "Is <|im_end|> a token? naïve café 🙂\t\tyes"},
+    ]
+    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert smollm2.render_chat(messages) == encoded["input_ids"]
+    # Its longest token is 81 characters (a newline and 80 spaces): 8,192 tokens never hold more than 8192 * 81 * 4.
+    assert smollm2.max_prompt_chars == 8192 * 81 * 4
 
 
 def test_a_gguf_path_resolves_to_the_same_converted_folder(smollm2: HFBackend) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,15 @@ async def serve(
     yield start
     for client in clients:
         await client.close()
+
+
+def on_event_loop() -> bool:
+    """Say whether the caller runs on the event loop's thread, inside the loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def engine_of(client: TestClient[Any, Any]) -> Engine:

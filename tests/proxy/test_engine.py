@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import KVReservation, SamplingParams, StepRecord
+from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import Block, TieredStore
-from tests.proxy.conftest import tiny_engine
+from tests.proxy.conftest import on_event_loop, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 8
@@ -157,3 +159,34 @@ async def test_a_block_the_store_fails_to_keep_is_logged_counted_and_releases_it
     assert engine.stats.store_errors > 0
     assert "could not store block" in caplog.text and "No space left on device" in caplog.text
     await first.aclose()
+
+
+async def test_every_step_of_preparing_a_prompt_runs_off_the_event_loop(
+    engine_and_steps: tuple[Engine, list[StepRecord]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _ = engine_and_steps
+    on_loop: dict[str, list[bool]] = {}
+
+    def recorded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            on_loop.setdefault(name, []).append(on_event_loop())
+            return function(*args, **kwargs)
+
+        return call
+
+    for name in ("check_prompt_size", "canonicalize_messages", "canonicalize_text", "lay_out", "explain_prompt"):
+        monkeypatch.setattr(engine_module, name, recorded(name, getattr(engine_module, name)))
+    for name in ("render_chat", "render_text"):
+        monkeypatch.setattr(engine.backend, name, recorded(name, getattr(engine.backend, name)))
+    await engine.prepare(chat("What is 2 + 2?"))
+    await engine.prepare(PromptRequest(params=GREEDY, prompt="2 + 2 ="))
+    await engine.explain(chat("What is 2 + 2?"))
+    assert on_loop == {
+        "check_prompt_size": [False] * 3,
+        "canonicalize_messages": [False] * 3,  # explain canonicalizes once more, to show what changed
+        "canonicalize_text": [False],
+        "lay_out": [False] * 2,
+        "render_chat": [False] * 2,
+        "render_text": [False],
+        "explain_prompt": [False],
+    }

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
-from aiohttp import web
+from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
+from transformers import PreTrainedTokenizerFast
 
 from prefixgate.backends import StepRecord
+from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Engine
-from tests.proxy.conftest import MODEL, Serve, chat_body, engine_of
+from tests.proxy.conftest import MODEL, Serve, chat_body, engine_of, on_event_loop
 
 CLIENTS = 48
 BUDGET_BYTES = 6 * 512 * 512  # six requests of 512 tokens (prompt and max_tokens), at 512 bytes a token
@@ -124,6 +127,101 @@ async def test_a_prompt_longer_than_the_context_gets_400_before_any_memory_is_re
     error = (await response.json())["error"]
     assert error["code"] == "context_length_exceeded" and "maximum context length is 1024" in error["message"]
     assert engine_of(client).backend.admission().bytes_in_use == 0
+
+
+MEGABYTE = 1_000_000
+ADMIN_KEY = "admin-key-for-tests"
+TOO_LONG: list[tuple[str, dict[str, Any], str]] = [
+    ("more tokens than the context", chat_body("word " * 1200), "tokens, but the prompt has"),
+    ("two megabytes of words", chat_body("word " * (2 * MEGABYTE // 5)), "characters besides whitespace"),
+    ("a label and a megabyte of spaces", chat_body(system="request id" + " " * MEGABYTE), "characters, more than"),
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/admin/cache/warm"])
+@pytest.mark.parametrize(("body", "words"), [row[1:] for row in TOO_LONG], ids=[row[0] for row in TOO_LONG])
+async def test_a_prompt_beyond_the_context_gets_400_before_memory_or_the_store_are_touched(
+    serve: Serve,
+    tokenizer: PreTrainedTokenizerFast,
+    monkeypatch: pytest.MonkeyPatch,
+    route: str,
+    body: dict[str, Any],
+    words: str,
+) -> None:
+    client = await serve(admin_key=ADMIN_KEY)
+    engine = engine_of(client)
+    touched: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            touched.append(name)
+            raise AssertionError(f"{name} was called for a prompt that cannot run")
+
+        return call
+
+    for name in ("seed", "fetch", "lookup", "put"):
+        monkeypatch.setattr(engine.store, name, refuse(f"store.{name}"))
+    monkeypatch.setattr(engine.backend, "reserve", refuse("reserve"))
+    tokenized: list[int] = []  # the length of every text the tokenizer is given
+    call = type(tokenizer).__call__
+
+    def counted(self: PreTrainedTokenizerFast, text: Any, *args: Any, **kwargs: Any) -> Any:
+        tokenized.append(len(text))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counted)
+    response = await client.post(route, json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert response.status == 400, await response.text()
+    error = (await response.json())["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        "messages",
+    )
+    assert "maximum context length is 1024 tokens" in error["message"] and "shorten the prompt" in error["message"]
+    assert words in error["message"]
+    assert touched == []
+    limit = engine.backend.max_prompt_chars
+    assert limit is not None and all(length <= limit for length in tokenized), "text beyond any context was tokenized"
+
+
+async def test_health_answers_while_a_megabyte_prompt_is_prepared(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = await serve()
+    held, release = threading.Event(), threading.Event()
+    on_loop: list[bool] = []
+    lay_out = engine_module.lay_out  # the step that took hours on this prompt, on the loop, before it was linear
+
+    def held_lay_out(*args: Any) -> Any:
+        on_loop.append(on_event_loop())
+        held.set()
+        if on_loop[-1]:  # waiting for the test here would stop the test itself: fail instead
+            raise AssertionError("the prompt was prepared on the event loop")
+        release.wait()  # preparation is under way, in its thread, until the test lets it go on
+        return lay_out(*args)
+
+    monkeypatch.setattr(engine_module, "lay_out", held_lay_out)
+
+    async def post() -> ClientResponse:
+        return await client.post("/v1/chat/completions", json=chat_body(system="request id" + " " * MEGABYTE))
+
+    request = asyncio.create_task(post())
+    try:
+        waiting = asyncio.create_task(asyncio.to_thread(held.wait))
+        await asyncio.wait_for(
+            asyncio.wait({request, waiting}, return_when=asyncio.FIRST_COMPLETED), HANG_GUARD_SECONDS
+        )
+        assert on_loop == [False]
+        health = await client.get("/health")
+        assert health.status == 200 and (await health.json())["status"] == "ok"
+        assert not request.done() and not release.is_set()  # answered while the prompt is still being prepared
+    finally:
+        held.set()
+        release.set()
+    response = await asyncio.wait_for(request, HANG_GUARD_SECONDS)
+    assert response.status == 400  # then the prompt is refused, being longer than the context
+    assert (await response.json())["error"]["code"] == "context_length_exceeded"
 
 
 class Fatal(BaseException):

@@ -63,10 +63,20 @@ class TextStream:
 
 def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
     """Return the length of the longest end of `text` that some stop string starts with."""
+    if not text:
+        return 0
+    last = text[-1]
     longest = 0
     for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
+        k = min(len(s) - 1, len(text))
+        while k > longest:
+            # Only a start of `s` that ends in the text's last character can be the text's end: jump to the next one
+            # rather than compare every length, which made a long stop string cost its length squared per token.
+            k = s.rfind(last, 0, k) + 1
+            if k <= longest:
+                break
             if text.endswith(s[:k]):
                 longest = k
                 break
+            k -= 1
     return longest

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
@@ -17,6 +17,10 @@ _Body = TypeVar("_Body", bound=BaseModel)
 # What an unset max_tokens means: OpenAI runs to the context's end; a CPU proxy stops earlier, and says so in /docs.
 DEFAULT_MAX_TOKENS = 512
 MAX_JSON_DEPTH = 64  # lists and objects within each other; real tool schemas nest a dozen levels at most
+# Every generated token is checked against every stop string, and text that could begin one is held back: bounded, so
+# that no request's stop strings cost the model thread more than a little per token. OpenAI takes up to 4.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARACTERS = 256
 
 
 class _Strict(BaseModel):
@@ -105,6 +109,16 @@ class _Generation(_Strict):
     prompt_cache_key: str | None = None  # accepted; prefixgate finds prefixes by content, no key needed
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # splits this tenant's cache further
     layout: bool = True  # false keeps per-request content where the client put it
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"send at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(len(string) > MAX_STOP_CHARACTERS for string in strings):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_CHARACTERS} characters; shorten it")
+        return value
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Return the sampling parameters, refusing fields that would change the answer and are not supported."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from prefixgate.backends.text_stream import TextStream
+from prefixgate.backends.text_stream import TextStream, _stop_prefix_length
 
 
 def stream_of(tokenizer: PreTrainedTokenizerFast, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool]:
@@ -59,3 +61,14 @@ def test_first_generated_word_keeps_its_leading_space(tokenizer: PreTrainedToken
     stream = TextStream(lambda t: tokenizer.decode(t), prompt)
     text = "".join(stream.push(t).text for t in generated) + stream.finish().text
     assert text == " brown fox"
+
+
+def longest_stop_prefix_by_every_length(text: str, stop: tuple[str, ...]) -> int:
+    """Return the longest end of `text` that a stop string starts with, trying every length: the reference."""
+    ends = [k for s in stop for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])]
+    return max(ends, default=0)
+
+
+@given(st.text(alphabet="ab\n", max_size=40), st.lists(st.text(alphabet="ab\n", max_size=12), max_size=4))
+def test_the_held_back_end_is_the_longest_start_of_a_stop_string(text: str, stop: list[str]) -> None:
+    assert _stop_prefix_length(text, tuple(stop)) == longest_stop_prefix_by_every_length(text, tuple(stop))

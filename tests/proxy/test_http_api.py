@@ -142,6 +142,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "tools",
         "does not render tools",
     ),
+    ("seventeen stop strings", chat(stop=[f"stop {i}" for i in range(17)]), 400, "stop", "at most 16 stop strings"),
+    ("a stop string of 257 characters", chat(stop=["x" * 257]), 400, "stop", "at most 256 characters"),
     ("prompt too long", chat("word " * 1200), 400, "messages", "context"),
     ("prompt plus max_tokens too long", chat("hi", max_tokens=1020), 400, "max_tokens", "context"),
 ]

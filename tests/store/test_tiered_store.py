@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockKey, BlockLayout, EntryInfo, Namespace, TieredStore, chain_keys
+from prefixgate.store import Block, BlockKey, BlockLayout, EntryInfo, Namespace, TieredStore, chain_keys, tiered_store
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
 from prefixgate.store.tiered_store import StoreConfig, TierConfig
@@ -29,6 +28,7 @@ from tests.store.conftest import (
 )
 
 NS = make_namespace()
+HANG_GUARD_SECONDS = 60  # only a broken build waits this long
 PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks of 4
 
 
@@ -338,35 +338,26 @@ def test_entries_filter_by_tier_and_tenant(open_store: StoreFactory) -> None:
     assert block is not None and block.tenant == "acme"
 
 
-def test_a_long_listing_lets_lookups_through_between_its_chunks(open_store: StoreFactory) -> None:
+def test_a_long_listing_lets_lookups_through_between_its_chunks(
+    open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = open_store(config(host=2048 * BLOCK, disk=0), folder=None)
     tokens = list(range(2048 * LAYOUT.block_size))
     store.put(make_blocks(store, tokens))
-    (tier,) = store.tiers
-    listing, listed = threading.Event(), threading.Event()
-    entry = tier.entry
+    looked_up: list[int] = []
 
-    def slow_entry(key: BlockKey) -> EntryInfo | None:  # a large disk tier, in miniature: 2048 entries, 0.4 s
-        listing.set()
-        time.sleep(0.0002)
-        return entry(key)
+    def between_chunks(seconds: float) -> None:
+        # Where the listing yields between chunks, another thread's lookup must get the lock and finish: were the
+        # lock still held here, the lookup would wait and the join below would give up.
+        assert seconds == 0
+        lookup = threading.Thread(target=lambda: looked_up.append(store.lookup(NS, tokens[:16]).cached_tokens))
+        lookup.start()
+        lookup.join(HANG_GUARD_SECONDS)
+        assert not lookup.is_alive(), "a lookup waited for the lock between two chunks of a listing"
 
-    tier.entry = slow_entry  # type: ignore[method-assign]
-    during: list[bool] = []
-
-    def look_up() -> None:
-        listing.wait()
-        while not listed.is_set():
-            assert store.lookup(NS, tokens[:16]).cached_tokens == 12
-            during.append(not listed.is_set())
-
-    thread = threading.Thread(target=look_up)
-    thread.start()
+    monkeypatch.setattr(tiered_store.time, "sleep", between_chunks)
     assert len(store.entries()) == 2048
-    listed.set()
-    thread.join()
-    # Had the listing held the lock throughout, at most one lookup would end before it did.
-    assert sum(during) >= 3
+    assert looked_up == [12] * (2048 // tiered_store._LISTING_CHUNK)
 
 
 def test_a_block_stored_during_a_listing_is_listed_in_no_tier_rather_than_one(open_store: StoreFactory) -> None:

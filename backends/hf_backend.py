@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from prefixgate.errors import (
     RequestError,
     UnsupportedModelError,
 )
+from prefixgate.threads import use_threads
 
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
 _CPU_INTERLEAVED_TOKENS = 96  # SmolLM2 on 2 cores: 4 streams within 5x their pace, an 8k prompt within 1.3x of alone
@@ -128,7 +130,37 @@ class HFBackend:
         """Load a model folder, GGUF file or `smollm2-135m` (blocking; use asyncio.to_thread inside a loop).
 
         `options` are the constructor's keyword arguments (block_size, prefill_chunk_tokens, kv_memory_budget, ...).
+        It loads on every core, in a thread of its own that ends when it is done: that thread's OpenMP pool ends with
+        it, and the calling thread makes none (see prefixgate.threads).
         """
+        loaded: list[HFBackend] = []
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            use_threads(threads)
+            try:
+                loaded.append(cls._load(model, dtype, device, model_cache_dir, attn_implementation, options))
+            except BaseException as error:
+                failed.append(error)
+
+        threads = torch.get_num_threads()
+        loader = threading.Thread(target=load, name="prefixgate-load")
+        loader.start()
+        loader.join()
+        if failed:
+            raise failed[0]
+        return loaded[0]
+
+    @classmethod
+    def _load(
+        cls,
+        model: str,
+        dtype: torch.dtype | str | None,
+        device: torch.device | str | None,
+        model_cache_dir: Path | str | None,
+        attn_implementation: str | None,
+        options: dict[str, Any],
+    ) -> HFBackend:
         resolved = resolve_model(model, model_cache_dir=Path(model_cache_dir) if model_cache_dir else None)
         target = torch.device(device) if device is not None else _default_device()
         torch_dtype = _resolve_dtype(dtype, target)

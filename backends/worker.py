@@ -21,6 +21,7 @@ from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.scheduler import Scheduled, Scheduler
 from prefixgate.backends.sequence import Sequence, StepKind
 from prefixgate.errors import ModelStoppedError
+from prefixgate.threads import use_threads
 
 _log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Worker:
         self._closed = False
         self._failure: str | None = None
         self._ids = itertools.count(1)
+        self._threads = torch.get_num_threads()  # the constructing thread's count: every core unless told otherwise
         # A daemon thread, so a process that forgets aclose() still exits; close() joins it properly.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -113,6 +115,7 @@ class Worker:
         return self._failure
 
     def _run(self) -> None:
+        use_threads(self._threads)  # this thread's OpenMP pool, the one a server keeps (see prefixgate.threads)
         try:
             self._serve()
         except BaseException as error:  # a fault outside any one request's step: nothing more can run

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,7 @@ from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from prefixgate.threads import use_threads
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,10 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
 
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
         app[ENGINE] = await engine_factory(settings)
+        # The model is loaded: from now on the loop's worker threads, which prepare prompts and copy blocks, run
+        # torch on one CPU thread and make no OpenMP pool beside the model thread's (see prefixgate.threads).
+        executor = ThreadPoolExecutor(thread_name_prefix="prefixgate-io", initializer=use_threads, initargs=(1,))
+        asyncio.get_running_loop().set_default_executor(executor)
         yield
         await app[ENGINE].close()
 

@@ -33,6 +33,7 @@ from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue
 from prefixgate.proxy.prompt_size import check_prompt_size
 from prefixgate.proxy.statistics import EngineStats
 from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
+from prefixgate.threads import use_threads
 
 _log = logging.getLogger(__name__)
 
@@ -117,7 +118,10 @@ class Engine:
         self._layout = layout
         self._inflight: dict[BlockKey, asyncio.Future[None]] = {}
         # One thread files blocks into the store, in the order the model completes them, off the model's thread.
-        self._filer = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-store")
+        # Its copies run on one CPU thread, so it makes no OpenMP pool beside the model's (see prefixgate.threads).
+        self._filer = ThreadPoolExecutor(
+            1, thread_name_prefix="prefixgate-store", initializer=use_threads, initargs=(1,)
+        )
 
     # -- the pipeline -------------------------------------------------------------------------------------------
 

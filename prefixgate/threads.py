@@ -1,0 +1,22 @@
+"""torch's CPU threads: the model thread computes on every core, and every other thread of a server on one.
+
+torch runs a thread's CPU kernels on an OpenMP pool of that thread's own, made the first time it runs a kernel on
+more than one thread, and kept for the thread's life. libgomp keeps a pool's workers spinning between kernels only
+while the process's pool threads number no more than its cores; past that they sleep, and each of a model step's
+hundreds of small kernels waits for them to wake. On 2 cores, the pool of the executor thread that loaded the model
+was enough to make every decode step about 20% slower. So a server's model thread keeps the only pool: the model is
+loaded in a thread that ends, and the threads that copy blocks or prepare prompts run torch on one thread, which
+makes no pool (their copies are memory-bound anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def use_threads(count: int) -> None:
+    """Run this thread's torch CPU kernels on `count` threads from now on."""
+    # A thread takes torch's process-wide default on its first kernel (or first query), which would undo a count set
+    # before it: query first, then set.
+    torch.get_num_threads()
+    torch.set_num_threads(count)

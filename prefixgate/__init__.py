@@ -1,8 +1,8 @@
 """prefixgate: a prompt-caching proxy that reuses the attention KV cache of shared prompt prefixes.
 
 The subpackages `prefixgate.proxy`, `prefixgate.backends`, `prefixgate.store` and `prefixgate.policies` live in
-the repository's top-level folders of the same names; this package holds what they all share: the version and
-the exception tree.
+the repository's top-level folders of the same names; this package holds what they all share: the version, the
+exception tree, and how torch's CPU threads are shared out (`prefixgate.threads`).
 """
 
 from prefixgate.errors import PrefixgateError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -133,23 +133,11 @@ class HFBackend:
         It loads on every core, in a thread of its own that ends when it is done: that thread's OpenMP pool ends with
         it, and the calling thread makes none (see prefixgate.threads).
         """
-        loaded: list[HFBackend] = []
-        failed: list[BaseException] = []
-
-        def load() -> None:
-            use_threads(threads)
-            try:
-                loaded.append(cls._load(model, dtype, device, model_cache_dir, attn_implementation, options))
-            except BaseException as error:
-                failed.append(error)
-
         threads = torch.get_num_threads()
-        loader = threading.Thread(target=load, name="prefixgate-load")
-        loader.start()
-        loader.join()
-        if failed:
-            raise failed[0]
-        return loaded[0]
+        with ThreadPoolExecutor(1, "prefixgate-load", initializer=use_threads, initargs=(threads,)) as loader:
+            return loader.submit(
+                cls._load, model, dtype, device, model_cache_dir, attn_implementation, options
+            ).result()
 
     @classmethod
     def _load(

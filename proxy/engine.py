@@ -206,16 +206,9 @@ class Engine:
         computed_tokens = await self.backend.prefill(
             prepared.token_ids, [block.kv for block in hit.blocks], on_block, reservation=reservation
         )
-        blocks = computed
-        if pinned or ttl is not None:
-            # Blocks cached already take the new attributes too; a ttl counts from now, not from their creation.
-            # Their tensors are views into the fetched prefix, which the disk writer must not share: copy them.
-            blocks = [
-                replace(block, kv=block.kv.clone(), created=0.0 if ttl is not None else block.created)  # 0: stamp now
-                for block in hit.blocks
-            ] + computed
-        if blocks:
-            await asyncio.to_thread(self.store.put, blocks, pinned=pinned, ttl=ttl)
+        # In a worker thread: the copies below are tensor work, which must neither hold the event loop nor give its
+        # thread an OpenMP pool (see prefixgate.threads).
+        await asyncio.to_thread(self._keep, hit.blocks, computed, pinned, ttl)
         match = await asyncio.to_thread(self.store.lookup, prepared.namespace, prepared.token_ids)
         return WarmResult(len(prepared.token_ids), computed_tokens, match.cached_tokens)
 
@@ -265,6 +258,18 @@ class Engine:
             messages=messages,
             tenant=request.tenant,
         )
+
+    def _keep(self, cached: Sequence[Block], computed: list[Block], pinned: bool, ttl: float | None) -> None:
+        blocks = computed
+        if pinned or ttl is not None:
+            # Blocks cached already take the new attributes too; a ttl counts from now, not from their creation.
+            # Their tensors are views into the fetched prefix, which the disk writer must not share: copy them.
+            blocks = [
+                replace(block, kv=block.kv.clone(), created=0.0 if ttl is not None else block.created)  # 0: stamp now
+                for block in cached
+            ] + computed
+        if blocks:
+            self.store.put(blocks, pinned=pinned, ttl=ttl)
 
     def _explain(self, prepared: PreparedPrompt, original: list[dict[str, Any]] | None, layout: bool) -> Explanation:
         canonical = canonicalize_messages(original, self._rules) if original is not None else None

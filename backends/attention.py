@@ -19,7 +19,6 @@ from transformers import AttentionInterface
 
 NAME = "prefixgate_packed"
 BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
-_SERIAL_WORK = 1 << 16  # query-key pairs up to which a segment attends on one CPU thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +73,9 @@ def packed_attention(
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs = []
-    threads = torch.get_num_threads()
-    using = threads
     # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
         start, end = segment.start, segment.start + segment.length
-        # A small segment's attention (a decode step's) is too little work to split: on a CPU one core does it
-        # sooner than several that must be woken and joined, which cost most when another core is busy.
-        wanted = 1 if query.device.type == "cpu" and segment.length * end <= _SERIAL_WORK else threads
-        if wanted != using:
-            torch.set_num_threads(wanted)
-            using = wanted
         stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
         stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
         # Keys a query may see: none past its own position, none at or before `position - window`.
@@ -93,8 +84,6 @@ def packed_attention(
         seen = stored[:, :, low:end].unsqueeze(1)  # seen: [2, 1, kv_heads, seen, head_dim]
         mask = _mask(start, segment.length, low, end, sliding_window, query.device)
         outputs.append(_attend(query[:, :, begin : begin + segment.length], seen[0], seen[1], mask, scale, softcap))
-    if using != threads:
-        torch.set_num_threads(threads)
     out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # out: [1, heads, total, head_dim]
     assert out.shape[1] == heads
     return out.transpose(1, 2).contiguous(), None  # [1, total, heads, head_dim]

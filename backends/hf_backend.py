@@ -39,7 +39,7 @@ from prefixgate.errors import (
 from prefixgate.threads import use_threads
 
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
-_CPU_INTERLEAVED_TOKENS = 96  # SmolLM2 on 2 cores: 4 streams within 5x their pace, an 8k prompt within 1.3x of alone
+_CPU_INTERLEAVED_TOKENS = 80  # SmolLM2 on 2 cores: 4 streams within 5x their pace, an 8k prompt within 1.5x of alone
 # Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
 # tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
 # with (which accent stripping drops); normalization form C leaves it as it is.
@@ -427,7 +427,7 @@ def default_interleaved_prefill_tokens(device: torch.device, prefill_chunk_token
     """Return how many prompt tokens a step computes beside running streams by default.
 
     On a GPU a step's time barely grows with a few hundred more tokens, so prompts keep their full chunk. On a CPU
-    it grows with every token, and more the longer the prompt's context (SmolLM2 on 2 cores: 96 prompt tokens at 4k
+    it grows with every token, and more the longer the prompt's context (SmolLM2 on 2 cores: 80 prompt tokens at 4k
     context add about four decode steps' time), so the default keeps running streams within a few times their pace.
     """
     return prefill_chunk_tokens if device.type == "cuda" else min(prefill_chunk_tokens, _CPU_INTERLEAVED_TOKENS)

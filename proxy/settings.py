@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     interleaved_prefill_tokens: PositiveInt | None = Field(
         None,
         description="prompt tokens a forward pass computes beside decoding streams: lower keeps their pace, higher "
-        "starts new prompts sooner; default prefill_chunk_tokens with CUDA, 96 on CPU",
+        "starts new prompts sooner; default prefill_chunk_tokens with CUDA, 80 on CPU",
     )
     kv_memory_budget: ByteSize | None = Field(
         None,

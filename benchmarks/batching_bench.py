@@ -1,13 +1,15 @@
 """Serve many streams at once on SmolLM2 through HTTP, and measure what batching and chunked prefill give.
 
-Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about ten minutes; `--budgets 64` and
+Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about twenty minutes; `--budgets 64` and
 `--batches 1 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory; every long
 prompt shares no prefix with another, so each is computed whole. It prints two tables:
 
 1. Aggregate decode tokens/s of 1, 4, 8, 16 and 32 concurrent streams (64 tokens each, greedy), counted while all of
    them are decoding, with inter-token latency and time to first token; next to the limit, a plain batched forward
-   pass of the same model at the same batch size (one new token per row, short context), in this process: the mean
-   of a run before the server starts and one after it stops, so the machine's drift falls on both alike.
+   pass of the same model at the same batch size (one new token per row, short context), in this process, measured
+   just before each round's streams while the server idles. `--rounds` (default 3) rounds of each count; the table
+   gives the round with the median ratio, and every round's ratio (lowest first), since a 2-core machine's speed
+   drifts by up to a fifth between runs.
 2. For each `interleaved_prefill_tokens` budget: the inter-token latency of 4 running streams while idle and while a
    cold 8k-token prompt is prefilled beside them, and that prompt's time to first token next to its time alone.
 
@@ -207,7 +209,8 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32])
-    parser.add_argument("--budgets", type=int, nargs="*", default=[16, 64, 128, 256], help="interleaved tokens")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each stream count")
+    parser.add_argument("--budgets", type=int, nargs="*", default=[16, 64, 80, 96, 128, 256], help="interleaved tokens")
     parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
     args = parser.parse_args()
     import torch
@@ -215,28 +218,32 @@ async def main() -> None:
     print(f"SmolLM2-135M-Instruct, float32, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores\n")
     if args.batches:
         limit = BatchedForward()
-        before = {count: limit.tokens_per_second(count) for count in args.batches}
-        served_rows = []
+        rows = []
         async with served(args.prefixgate) as url:
             await concurrent_streams(url, 2)  # warm up
             for count in args.batches:
-                served_rows.append((count, *await concurrent_streams(url, count)))
-        rows = []
-        for count, rate, itl, ttft in served_rows:
-            # The limit measured before the server started and after it stopped, so drift falls on both alike.
-            bound = (before[count] + limit.tokens_per_second(count)) / 2
-            rows.append(
-                [
-                    str(count),
-                    f"{rate:.1f}",
-                    f"{bound:.1f}",
-                    f"{rate / bound:.2f}x",
-                    f"{itl * 1e3:.0f} ms",
-                    f"{ttft:.2f} s",
-                ]
-            )
-        print(f"Concurrent streams of {STREAM_TOKENS} tokens, through HTTP:")
-        table(["streams", "tokens/s", "batched forward", "of limit", "inter-token p50", "TTFT p50"], rows)
+                # Each round measures the limit (the server idle) just before the streams, so the machine's drift
+                # falls on both alike.
+                rounds = []
+                for _ in range(args.rounds):
+                    bound = limit.tokens_per_second(count)
+                    rounds.append((bound, *await concurrent_streams(url, count)))
+                rounds.sort(key=lambda r: r[1] / r[0])
+                bound, rate, itl, ttft = rounds[len(rounds) // 2]  # the round whose ratio is the median
+                rows.append(
+                    [
+                        str(count),
+                        f"{rate:.1f}",
+                        f"{bound:.1f}",
+                        f"{rate / bound:.2f}x",
+                        " ".join(f"{r[1] / r[0]:.2f}" for r in rounds),
+                        f"{itl * 1e3:.0f} ms",
+                        f"{ttft:.2f} s",
+                    ]
+                )
+        print(f"Concurrent streams of {STREAM_TOKENS} tokens, through HTTP (the median of {args.rounds} rounds):")
+        header = ["streams", "tokens/s", "batched forward", "of limit", "each round", "inter-token p50", "TTFT p50"]
+        table(header, rows)
     if args.budgets:
         rows = []
         for index, budget in enumerate(args.budgets):

@@ -93,6 +93,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
         middlewares=[_request_ids, _errors, _tenants],
     )
     app[SETTINGS] = settings
+    app.on_response_prepare.append(_send_request_id)
 
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
         app[ENGINE] = await engine_factory(settings)
@@ -107,6 +108,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # a model id may hold a slash: "org/name"
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     # Imported here, not at the top: the admin app builds on this module's keys, so it imports this module.
@@ -153,15 +155,12 @@ async def _generate(
 
 async def models(request: web.Request) -> web.Response:
     """GET /v1/models."""
-    engine = request.app[ENGINE]
-    model = {
-        "id": engine.backend.model_id,
-        "object": "model",
-        "created": 0,
-        "owned_by": "prefixgate",
-        "context_length": engine.backend.context_length,
-    }
-    return web.json_response({"object": "list", "data": [model]})
+    return web.json_response({"object": "list", "data": [_model_card(request.app[ENGINE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the one model this server serves, or 404 (the `openai` client's models.retrieve)."""
+    return web.json_response(_model_card(_engine_for(request, request.match_info["model"])))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -268,6 +267,16 @@ def _engine_for(request: web.Request, model: str) -> Engine:
     return engine
 
 
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {
+        "id": engine.backend.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefixgate",
+        "context_length": engine.backend.context_length,
+    }
+
+
 class ModelNotServed(PrefixgateError, LookupError):
     """A request names a model this server does not serve."""
 
@@ -277,16 +286,16 @@ class ModelNotServed(PrefixgateError, LookupError):
 
 @web.middleware
 async def _request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
-    request[REQUEST_ID] = request_id
-    try:
-        response = await handler(request)
-    except web.HTTPException as error:
-        error.headers["x-request-id"] = request_id
-        raise
-    if not response.prepared:
+    request[REQUEST_ID] = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    return await handler(request)
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Put the request's id on its response as its headers go out."""
+    # A signal, not the middleware: a streamed response is prepared by its handler, before any middleware sees it.
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
         response.headers["x-request-id"] = request_id
-    return response
 
 
 @web.middleware

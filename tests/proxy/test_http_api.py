@@ -192,10 +192,18 @@ async def test_the_server_stays_healthy_after_every_bad_input(serve: Serve) -> N
     assert all(tier.corrupt == 0 for tier in stats)
 
 
-async def test_the_client_request_id_is_echoed(serve: Serve) -> None:
+async def test_the_client_request_id_is_echoed_on_plain_streamed_and_error_responses(serve: Serve) -> None:
     client = await serve()
     response = await client.get("/health", headers={"x-request-id": "abc-123"})
     assert response.headers["x-request-id"] == "abc-123"
+    streamed = await client.post("/v1/chat/completions", json=chat(stream=True), headers={"x-request-id": "abc-456"})
+    assert streamed.headers["x-request-id"] == "abc-456"
+    await streamed.read()
+    refused = await client.post("/v1/chat/completions", json=chat(model="gpt-9"), headers={"x-request-id": "abc-789"})
+    assert refused.status == 404 and refused.headers["x-request-id"] == "abc-789"
+    generated = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert generated.headers["x-request-id"].startswith("req-")
+    await generated.read()
 
 
 def server_timing(header: str) -> dict[str, float]:
@@ -227,6 +235,10 @@ async def test_models_health_and_metrics(serve: Serve) -> None:
     client = await serve()
     models = await (await client.get("/v1/models")).json()
     assert [model["id"] for model in models["data"]] == [MODEL]
+    assert await (await client.get(f"/v1/models/{MODEL}")).json() == models["data"][0]
+    missing = await client.get("/v1/models/org/other-model")
+    assert missing.status == 404
+    assert (await missing.json())["error"]["code"] == "model_not_found"
     await client.post("/v1/chat/completions", json=chat())
     await client.post("/v1/chat/completions", json=chat())
     metrics = await (await client.get("/metrics")).text()

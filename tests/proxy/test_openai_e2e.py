@@ -121,6 +121,9 @@ def test_chat_and_completions_streaming_and_not(start_server: Callable[..., Serv
 
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5)
 

@@ -7,9 +7,9 @@ the point here is the cache, not the answers.
 
     .venv/bin/python examples/decorator_qa.py [STORE_FOLDER]
 
-With no folder the store lives in a temporary folder; pass one (e.g. ./prefixgate-store) to keep the cache warm
-across runs and processes. Swap `PromptCache.open(...)` for `PromptCache.connect("http://127.0.0.1:8000")` to ask a
-running `prefixgate serve` instead: nothing else changes.
+With no folder the store lives in a temporary folder, removed at the end; pass one (e.g. ./prefixgate-store) to keep
+the cache warm across runs and processes. Swap `PromptCache.open(...)` for
+`PromptCache.connect("http://127.0.0.1:8000")` to ask a running `prefixgate serve` instead: nothing else changes.
 """
 
 from __future__ import annotations
@@ -97,8 +97,16 @@ QUESTIONS = [
 
 
 def main() -> None:
+    """Run the questions on the store folder given, or on a temporary one."""
+    if len(sys.argv) > 1:
+        ask_all(Path(sys.argv[1]))
+        return
+    with tempfile.TemporaryDirectory(prefix="prefixgate-example-") as folder:
+        ask_all(Path(folder))
+
+
+def ask_all(store: Path) -> None:
     """Ask each question about the manual and print the answer and how much of the prompt came from the cache."""
-    store = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="prefixgate-example-"))
     with PromptCache.open(model="smollm2-135m", store=store) as cache:
 
         @cache.cached(max_tokens=40, temperature=0.0)

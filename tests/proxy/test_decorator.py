@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -345,11 +346,22 @@ def test_a_closed_cache_refuses_calls_and_bad_settings_fail_to_open(cache: Promp
 
 
 @pytest.mark.smollm2
-def test_the_question_answering_example_serves_later_questions_from_the_cache() -> None:
+def test_the_question_answering_example_serves_later_questions_from_the_cache_and_leaves_no_folder(
+    tmp_path: Path,
+) -> None:
     example = REPOSITORY / "examples" / "decorator_qa.py"
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     done = subprocess.run(
-        [sys.executable, str(example)], cwd=REPOSITORY, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, str(example)],
+        cwd=REPOSITORY,
+        env={**os.environ, "TMPDIR": str(temporary)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     cached = [int(count) for count in re.findall(r"cached (\d+) of \d+ prompt tokens", done.stdout)]
     assert len(cached) >= 2 and cached[0] == 0 and all(count > 0 for count in cached[1:]), done.stdout
+    assert list(temporary.iterdir()) == []  # its temporary store is gone

@@ -35,9 +35,13 @@ def cache_report(
     tiers: Sequence[TierStats], stats: EngineStatsSnapshot, entries: Sequence[EntryInfo], block_size: int
 ) -> dict[str, Any]:
     """Return the `/admin/cache` body: totals, each tier, and each tenant."""
+    blocks = _blocks(entries)
     totals = {
-        "entries": len({entry.key for entry in entries}),  # blocks, each counted once whatever tiers hold it
-        "bytes": sum(tier.bytes for tier in tiers),
+        # A block held by two tiers (written through to disk, say) is one entry of its bytes; `stored_bytes` counts
+        # every copy, as the tiers' own `bytes` and `capacity` do.
+        "entries": len(blocks),
+        "bytes": sum(blocks.values()),
+        "stored_bytes": sum(tier.bytes for tier in tiers),
         "capacity": sum(tier.capacity for tier in tiers),
         "requests": stats.requests,
         **_tokens(stats.prompt_tokens, stats.cached_total),
@@ -118,24 +122,30 @@ def _tier(tier: TierStats, stats: EngineStatsSnapshot, block_size: int) -> dict[
 
 
 def _tenants(counts: dict[str, TenantStats], entries: Sequence[EntryInfo]) -> list[dict[str, Any]]:
-    keys: dict[str, set[BlockKey]] = defaultdict(set)
-    held: dict[str, int] = defaultdict(int)
+    by_tenant: dict[str, list[EntryInfo]] = defaultdict(list)
     for entry in entries:
-        keys[entry.tenant].add(entry.key)
-        held[entry.tenant] += entry.nbytes
+        by_tenant[entry.tenant].append(entry)
     report = []
-    for tenant in sorted(set(counts) | set(keys)):
+    for tenant in sorted(set(counts) | set(by_tenant)):
         tenant_counts = counts.get(tenant, TenantStats())
+        held = by_tenant.get(tenant, [])
+        blocks = _blocks(held)
         report.append(
             {
                 "tenant": tenant,
-                "entries": len(keys.get(tenant, ())),
-                "bytes": held.get(tenant, 0),
+                "entries": len(blocks),
+                "bytes": sum(blocks.values()),
+                "stored_bytes": sum(entry.nbytes for entry in held),
                 "requests": tenant_counts.requests,
                 **_tokens(tenant_counts.prompt_tokens, tenant_counts.cached_tokens),
             }
         )
     return report
+
+
+def _blocks(entries: Sequence[EntryInfo]) -> dict[BlockKey, int]:
+    """Return the bytes of each block the entries hold, once per block whatever tiers hold it."""
+    return {entry.key: entry.nbytes for entry in entries}
 
 
 def _tokens(prompt: int, cached: int) -> dict[str, Any]:

@@ -114,13 +114,19 @@ async def test_cache_reports_totals_tiers_and_each_tenant(serve: Serve) -> None:
     assert acme["hit_tokens"] == acme["tokens_saved"] == hit and globex["hit_tokens"] == 0
     assert acme["miss_tokens"] == acme["prompt_tokens"] - hit
     assert acme["prompt_tokens"] == 2 * globex["prompt_tokens"] == 2 * globex["miss_tokens"]
+    block_bytes = store.layout.nbytes
     for name in ("acme", "globex"):
         found = store.entries(tenant=name)
         assert tenants[name]["entries"] == len({entry.key for entry in found}) > 0
-        assert tenants[name]["bytes"] == sum(entry.nbytes for entry in found)
+        # Every block is in the host tier and written through to disk: two copies, one block's bytes.
+        assert len(found) == 2 * tenants[name]["entries"]
+        assert tenants[name]["bytes"] == tenants[name]["entries"] * block_bytes
+        assert tenants[name]["stored_bytes"] == 2 * tenants[name]["bytes"]
     totals = report["totals"]
     assert totals["requests"] == 3 and totals["tokens_saved"] == hit
     assert totals["entries"] == acme["entries"] + globex["entries"]
+    assert totals["bytes"] == totals["entries"] * block_bytes
+    assert totals["stored_bytes"] == sum(tier.bytes for tier in store.stats()) == 2 * totals["bytes"]
     assert [tier["name"] for tier in report["tiers"]] == ["host", "disk"]
     for tier, stats in zip(report["tiers"], store.stats(), strict=True):
         assert (tier["entries"], tier["bytes"], tier["capacity"]) == (stats.entries, stats.bytes, stats.capacity)

@@ -126,7 +126,7 @@ async def test_dashboard_shows_what_admin_cache_reports(serve: Serve, tmp_path: 
     assert "hidden" in page.by_id["login"] and "hidden" not in page.by_id["main"]
     totals = report["totals"]
     assert totals["tokens_saved"] > 0
-    for field in ("entries", "bytes", "requests", "tokens_saved", "evictions"):
+    for field in ("entries", "bytes", "stored_bytes", "requests", "tokens_saved", "evictions"):
         assert int(page.values[f"totals.{field}"]) == totals[field], field
     assert float(page.values["totals.hit_rate"]) == pytest.approx(totals["hit_rate"])
     for tier in report["tiers"]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,10 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in _MAP_FLAGS:
             overrides[name] = _pairs(overrides.get(name), _MAP_FLAGS[name][0])
         settings = load_settings(args.config, **overrides)
+        # Bound before the model loads, so a port in use is said at once, in one line.
+        listening = _listen(settings.host, settings.port)
         web.run_app(
             create_app(settings, build_engine),
-            host=settings.host,
-            port=settings.port,
+            sock=listening,
             print=lambda _: print(
                 f"prefixgate {__version__} serving {settings.model} on http://{settings.host}:{settings.port}/v1"
             ),
@@ -67,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
         else:
             serve.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=name.upper(), help=help_text)
     return parser
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Return a socket listening on `host:port`, or raise ConfigError saying why it cannot."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        reason = "it is in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}; choose another with --port (or --host)") from None
 
 
 def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:

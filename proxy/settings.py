@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +24,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings.exceptions import SettingsError
 
 from prefixgate.errors import ConfigError
 from prefixgate.policies import policy_names
@@ -154,5 +157,14 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
             for problem in error.errors()
         )
         raise ConfigError(f"bad settings: {problems}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {config_file} is not valid TOML: {error}") from None
+    except SettingsError as error:
+        # pydantic-settings reads a map setting from the environment as JSON; its own message names no fix.
+        named = re.search(r'field "(\w+)"', str(error))
+        variable = f"PREFIXGATE_{named.group(1).upper()}" if named else "a PREFIXGATE_ variable"
+        raise ConfigError(
+            f'{variable} must be a JSON object, e.g. {variable}=\'{{"KEY": "VALUE"}}\' ({error})'
+        ) from None
     finally:
         _config_file.reset(token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,25 @@ def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]
     flags = ("--host-budget", "--kv-buffer-budget", "--api-key", "--admin-key", "--layout-pattern", "--no-layout")
     for flag in (*flags, "--config"):
         assert flag in text
+
+
+def test_a_malformed_config_file_is_one_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "prefixgate.toml"
+    config.write_text("port = \n")
+    with pytest.raises(ConfigError, match=r"is not valid TOML: Invalid value \(at line 1"):
+        load_settings(config)
+
+
+def test_a_map_setting_in_the_environment_must_be_json_and_the_error_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXGATE_API_KEYS", "sk-team-a=team-a")
+    with pytest.raises(ConfigError, match=r"PREFIXGATE_API_KEYS must be a JSON object, e.g. PREFIXGATE_API_KEYS="):
+        load_settings()
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--store", ""]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"prefixgate: cannot listen on 127.0.0.1:{port}: it is in use; choose another with --port (or --host)"
+    )

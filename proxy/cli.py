@@ -8,9 +8,10 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
+from pydantic import ByteSize
 
 from prefixgate import __version__
 from prefixgate.errors import ConfigError, PrefixgateError
@@ -62,13 +63,16 @@ def _parser() -> argparse.ArgumentParser:
         help_text = f"{field.description} (default: {_show(field.get_default(call_default_factory=True))})"
         if name in _MAP_FLAGS:
             flag, metavar = _MAP_FLAGS[name]
+            help_text += f"; repeat {flag} for more"
             serve.add_argument(flag, dest=name, action="append", metavar=metavar, help=help_text)
         elif field.annotation is bool:
             serve.add_argument(
                 f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, help=help_text
             )
         else:
-            serve.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=name.upper(), help=help_text)
+            metavar = "BYTES" if ByteSize in get_args(field.annotation) or field.annotation is ByteSize else None
+            flag = f"--{name.replace('_', '-')}"
+            serve.add_argument(flag, dest=name, metavar=metavar or name.upper(), help=help_text)
     return parser
 
 
@@ -97,7 +101,12 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
 def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "none" if not value else ", ".join(value)
+    if isinstance(value, ByteSize):  # as a flag takes it: 8GiB, not 8589934592
+        return next(f"{value >> shift}{unit}" for shift, unit in _BYTE_UNITS if value % (1 << shift) == 0)
     return "none" if value is None else str(value)
+
+
+_BYTE_UNITS = ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"), (0, ""))
 
 
 if __name__ == "__main__":

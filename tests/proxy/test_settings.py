@@ -94,6 +94,10 @@ def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]
     flags = ("--host-budget", "--kv-buffer-budget", "--api-key", "--admin-key", "--layout-pattern", "--no-layout")
     for flag in (*flags, "--config"):
         assert flag in text
+    words = " ".join(text.split())
+    assert "--host-budget BYTES host (CPU memory) tier bytes (default: 8GiB)" in words
+    assert "(default: 16MiB)" in words and "8589934592" not in words
+    assert "repeat --api-key for more" in words and "repeat --layout-pattern for more" in words
 
 
 def test_a_malformed_config_file_is_one_clear_error(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pydantic import ByteSize
 
 from prefixgate import __version__
 from prefixgate.errors import ConfigError, PrefixgateError
-from prefixgate.proxy.app import SERVE_OPTIONS, build_engine, create_app
+from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, build_engine, create_app
 from prefixgate.proxy.settings import Settings, load_settings
 
 # Settings whose values are maps take `KEY=VALUE` flags that may repeat.
@@ -34,14 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config, **overrides)
         # Bound before the model loads, so a port in use is said at once, in one line.
         listening = _listen(settings.host, settings.port)
-        web.run_app(
-            create_app(settings, build_engine),
-            sock=listening,
-            print=lambda _: print(
-                f"prefixgate {__version__} serving {settings.model} on http://{settings.host}:{settings.port}/v1"
-            ),
-            **SERVE_OPTIONS,
-        )
+        app = create_app(settings, build_engine)
+        # Printed once the model is loaded and the store open, so it shows what the server really has.
+        web.run_app(app, sock=listening, print=lambda _: print(_banner(app, settings), flush=True), **SERVE_OPTIONS)
     except PrefixgateError as error:
         print(f"prefixgate: {error}", file=sys.stderr)
         return 2
@@ -70,10 +65,21 @@ def _parser() -> argparse.ArgumentParser:
                 f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, help=help_text
             )
         else:
-            metavar = "BYTES" if ByteSize in get_args(field.annotation) or field.annotation is ByteSize else None
+            in_bytes = field.annotation is ByteSize or ByteSize in get_args(field.annotation)
             flag = f"--{name.replace('_', '-')}"
-            serve.add_argument(flag, dest=name, metavar=metavar or name.upper(), help=help_text)
+            serve.add_argument(flag, dest=name, metavar="BYTES" if in_bytes else name.upper(), help=help_text)
     return parser
+
+
+def _banner(app: web.Application, settings: Settings) -> str:
+    """Return what the server says when it starts: the model and URL, the store and its tiers, the dashboard."""
+    url = f"http://{settings.host}:{settings.port}"
+    tiers = ", ".join(f"{tier.name} {_show(ByteSize(tier.capacity_bytes))}" for tier in app[ENGINE].store.tiers)
+    where = f"in {settings.store}" if settings.store is not None else "in memory only (nothing persists)"
+    lines = [f"prefixgate {__version__} serving {settings.model} on {url}/v1", f"  store {where}: {tiers}"]
+    if settings.admin_key is not None:
+        lines.append(f"  admin dashboard: {url}/admin/")
+    return "\n".join(lines)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from prefixgate import __version__
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.cli import main
+from prefixgate.proxy.app import SETTINGS
+from prefixgate.proxy.cli import _banner, main
 from prefixgate.proxy.settings import load_settings
+from tests.proxy.conftest import MODEL, Serve
 
 CONFIG = """
 store = "/var/lib/prefixgate"
@@ -120,3 +123,17 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capsys: pytest.Capture
     assert capsys.readouterr().err.strip() == (
         f"prefixgate: cannot listen on 127.0.0.1:{port}: it is in use; choose another with --port (or --host)"
     )
+
+
+async def test_the_start_banner_names_the_store_its_tiers_and_the_dashboard(serve: Serve, tmp_path: Path) -> None:
+    client = await serve(host_budget="256MiB", disk_budget="1GiB", admin_key="sk-admin")
+    settings = client.app[SETTINGS]
+    assert _banner(client.app, settings).splitlines() == [
+        f"prefixgate {__version__} serving {MODEL} on http://127.0.0.1:8000/v1",
+        f"  store in {tmp_path / 'store'}: host 256MiB, disk 1GiB",
+        "  admin dashboard: http://127.0.0.1:8000/admin/",
+    ]
+    in_memory = await serve(store="", host_budget="64MiB")
+    assert _banner(in_memory.app, in_memory.app[SETTINGS]).splitlines()[1:] == [
+        "  store in memory only (nothing persists): host 64MiB"
+    ]

@@ -1,7 +1,8 @@
 """Use prefixgate with the official `openai` client: only `base_url` changes.
 
-Start a server first (`prefixgate serve`), then run `python examples/openai_client.py`. Two questions share a long
-system prompt; the second one is served mostly from the cache, which the usage says in `cached_tokens`.
+Start a server first (`prefixgate serve`), install the client (`.venv/bin/pip install openai`), then run
+`.venv/bin/python examples/openai_client.py`. Two questions share a long system prompt; the second one is served
+mostly from the cache, which the usage says in `cached_tokens`.
 """
 
 from __future__ import annotations

@@ -31,11 +31,13 @@ from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 from prefixgate.threads import use_threads
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("prefixgate.requests")  # one line per request; its fields ride on the record
 
 ENGINE = web.AppKey("engine", Engine)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
+GENERATION = web.RequestKey("generation", Generation)  # the request's generation, for its log line
 # How the app is served (keyword arguments of aiohttp's run_app, AppRunner and TestServer): a client that disconnects
 # cancels its handler, so its request stops at the model's next step, in prefill as in decoding, streamed or not.
 SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
@@ -90,7 +92,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     """Build the app; the engine is made by `engine_factory` at startup and closed at cleanup."""
     app = web.Application(
         client_max_size=int(settings.max_body_bytes),
-        middlewares=[_request_ids, _errors, _tenants],
+        middlewares=[_request_ids, _log_requests, _errors, _tenants],
     )
     app[SETTINGS] = settings
     app.on_response_prepare.append(_send_request_id)
@@ -137,6 +139,7 @@ async def _generate(
     engine = _engine_for(request, body.model)
     try:
         generation = await engine.generate(body.to_prompt_request(request[TENANT]))
+        request[GENERATION] = generation
     except RequestError as error:
         if chat and error.param == "prompt":
             error.param = "messages"  # the engine's prompt is this API's messages
@@ -288,6 +291,50 @@ class ModelNotServed(PrefixgateError, LookupError):
 async def _request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[REQUEST_ID] = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
     return await handler(request)
+
+
+@web.middleware
+async def _log_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Log one line per request: its id, tenant, route and status, and for a generation its tokens and times."""
+    started = time.perf_counter()
+    status = 500  # an exception no middleware made into a response
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as error:
+        status = error.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client left before its answer was done (nginx's code for it)
+        raise
+    finally:
+        fields = _request_fields(request, status, time.perf_counter() - started)
+        text = " ".join(f"{name}={value}" for name, value in fields.items() if value is not None)
+        # Load balancers poll /health and scrapers /metrics every few seconds: their lines are for debugging.
+        quiet = request.path in ("/health", "/metrics")
+        request_log.log(logging.DEBUG if quiet else logging.INFO, text, extra={"fields": fields})
+
+
+def _request_fields(request: web.Request, status: int, seconds: float) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "request_id": request.get(REQUEST_ID),
+        "tenant": request.get(TENANT) or None,
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "ms": round(seconds * 1e3, 1),
+    }
+    generation = request.get(GENERATION)
+    if generation is not None:
+        usage, ttft = generation.usage(), generation.time_to_first_token
+        fields |= {
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+        }
+    return fields
 
 
 async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import socket
 import sys
@@ -26,17 +27,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run the `prefixgate` command."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     try:
         for name in _MAP_FLAGS:
             overrides[name] = _pairs(overrides.get(name), _MAP_FLAGS[name][0])
         settings = load_settings(args.config, **overrides)
+        _configure_logging(settings)
         # Bound before the model loads, so a port in use is said at once, in one line.
         listening = _listen(settings.host, settings.port)
         app = create_app(settings, build_engine)
         # Printed once the model is loaded and the store open, so it shows what the server really has.
-        web.run_app(app, sock=listening, print=lambda _: print(_banner(app, settings), flush=True), **SERVE_OPTIONS)
+        # access_log=None: the app logs each request itself, with its tenant and tokens (prefixgate.requests).
+        web.run_app(
+            app,
+            sock=listening,
+            access_log=None,
+            print=lambda _: print(_banner(app, settings), flush=True),
+            **SERVE_OPTIONS,
+        )
     except PrefixgateError as error:
         print(f"prefixgate: {error}", file=sys.stderr)
         return 2
@@ -69,6 +77,31 @@ def _parser() -> argparse.ArgumentParser:
             flag = f"--{name.replace('_', '-')}"
             serve.add_argument(flag, dest=name, metavar="BYTES" if in_bytes else name.upper(), help=help_text)
     return parser
+
+
+def _configure_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler()
+    if settings.log_format == "json":
+        handler.setFormatter(_JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+
+
+class _JSONFormatter(logging.Formatter):
+    """Format each record as one JSON object: time, level, logger, message, and a request's own fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        body: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            body["exception"] = self.formatException(record.exc_info)
+        return json.dumps(body, default=str)
 
 
 def _banner(app: web.Application, settings: Settings) -> str:

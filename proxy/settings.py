@@ -98,6 +98,12 @@ class Settings(BaseSettings):
         "(the admin endpoint shows tenants behind its key)",
     )
     max_body_bytes: ByteSize = Field(ByteSize(16 << 20), description="largest request body accepted")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="least severe log messages shown; info logs one line per request"
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text, or as one JSON object each (for log pipelines)"
+    )
     model_cache_dir: Path = Field(
         Path.home() / ".cache" / "prefixgate" / "models", description="where converted models are kept"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -337,3 +338,34 @@ async def test_a_store_failure_is_a_server_error_logged_with_the_request_id(
     error = (await response.json())["error"]
     assert error["type"] == "server_error" and "LMDB" not in error["message"]  # the details are the server's
     assert "request req-disk-1 failed: StoreError: LMDB read failed" in caplog.text
+
+
+async def test_each_request_is_logged_once_with_its_tenant_status_and_tokens(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await serve(api_keys={"key-a": "acme"})
+    key = {"Authorization": "Bearer key-a"}
+    with caplog.at_level(logging.DEBUG, logger="prefixgate.requests"):
+        await (await client.post("/v1/chat/completions", json=chat(), headers={**key, "x-request-id": "r-1"})).read()
+        second = await client.post("/v1/chat/completions", json=chat(stream=True), headers=key)
+        await second.read()
+        await (await client.post("/v1/chat/completions", json=chat(model="gpt-9"), headers=key)).read()
+        await (await client.get("/health")).read()
+    records = [r for r in caplog.records if r.name == "prefixgate.requests"]
+    fields = [getattr(record, "fields") for record in records]  # noqa: B009  # set through `extra`
+    assert [(f["path"], f["status"]) for f in fields] == [
+        ("/v1/chat/completions", 200),
+        ("/v1/chat/completions", 200),
+        ("/v1/chat/completions", 404),
+        ("/health", 200),
+    ]
+    first, streamed, refused, health = fields
+    assert first["request_id"] == "r-1" and first["tenant"] == "acme"
+    assert first["prompt_tokens"] == streamed["prompt_tokens"] > 0 and first["cached_tokens"] == 0
+    assert streamed["cached_tokens"] > 0 and streamed["request_id"] == second.headers["x-request-id"]
+    assert first["completion_tokens"] > 0 and first["ttft_ms"] > 0
+    assert "prompt_tokens" not in refused and "prompt_tokens" not in health
+    assert [record.levelno for record in records] == [logging.INFO] * 3 + [logging.DEBUG]
+    message = records[0].getMessage()
+    assert message.startswith("request_id=r-1 tenant=acme method=POST path=/v1/chat/completions status=200")
+    assert f"cached_tokens=0 completion_tokens={first['completion_tokens']}" in message

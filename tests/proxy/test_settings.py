@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 from prefixgate import __version__
 from prefixgate.errors import ConfigError
 from prefixgate.proxy.app import SETTINGS
-from prefixgate.proxy.cli import _banner, main
+from prefixgate.proxy.cli import _banner, _JSONFormatter, main
 from prefixgate.proxy.settings import load_settings
 from tests.proxy.conftest import MODEL, Serve
 
@@ -137,3 +139,15 @@ async def test_the_start_banner_names_the_store_its_tiers_and_the_dashboard(serv
     assert _banner(in_memory.app, in_memory.app[SETTINGS]).splitlines()[1:] == [
         "  store in memory only (nothing persists): host 64MiB"
     ]
+
+
+def test_json_log_lines_carry_a_request_s_fields() -> None:
+    record = logging.LogRecord("prefixgate.requests", logging.INFO, __file__, 1, "request_id=r-1 status=200", (), None)
+    record.fields = {"request_id": "r-1", "tenant": None, "status": 200, "cached_tokens": 64}
+    line = json.loads(_JSONFormatter().format(record))
+    assert line["level"] == "info" and line["logger"] == "prefixgate.requests"
+    assert line["message"] == "request_id=r-1 status=200"
+    assert (line["request_id"], line["tenant"], line["status"], line["cached_tokens"]) == ("r-1", None, 200, 64)
+    assert load_settings(log_format="json", log_level="debug").log_format == "json"
+    with pytest.raises(ConfigError, match="log_format"):
+        load_settings(log_format="xml")

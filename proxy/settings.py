@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     model: str = Field(
         "smollm2-135m",
-        description="model to serve: the embedded default's short name, a local Hugging Face folder, or a GGUF file",
+        description="model to serve: the embedded default's short name, a local Hugging Face folder, a GGUF file, or a "
+        "Hugging Face Hub id (org/name; from its cache, downloaded there unless HF_HUB_OFFLINE=1)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="model and KV dtype; auto is bfloat16 on CUDA, float32 on CPU"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -26,8 +28,38 @@ def saved_llama(tmp_path: Path, llama: PreTrainedModel, tokenizer: PreTrainedTok
 def test_an_unknown_name_says_what_is_accepted(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match=r"'smollm2-135m' \(the embedded default\), a local model folder"):
         resolve_model("no-such-model", model_cache_dir=tmp_path)
-    with pytest.raises(ModelNotFoundError, match="already in the local Hugging Face cache"):
+
+
+def offline_hub_cache(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Point huggingface_hub at a cache folder of our own, offline, as HF_HUB_CACHE and HF_HUB_OFFLINE=1 would."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(folder))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_hub_id_not_in_the_cache_while_offline_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    offline_hub_cache(monkeypatch, tmp_path / "hub")
+    with pytest.raises(ModelNotFoundError, match=r"is not in the local Hugging Face cache .* HF_HUB_OFFLINE is set"):
         resolve_model("nobody/no-such-model", model_cache_dir=tmp_path)
+
+
+async def test_a_hub_id_resolves_from_the_hugging_face_cache_and_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_llama: Path
+) -> None:
+    # The cache's own layout: models--org--name/snapshots/<revision>/..., and refs/main naming the revision.
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(saved_llama, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    offline_hub_cache(monkeypatch, tmp_path / "hub")
+    resolved = resolve_model("acme/tiny-llama", model_cache_dir=tmp_path)
+    assert (resolved.folder, resolved.model_id, resolved.source) == (snapshot, "acme/tiny-llama", "hub")
+    backend = HFBackend.load("acme/tiny-llama", device="cpu", block_size=8, model_cache_dir=tmp_path)
+    try:
+        assert backend.model_id == "acme/tiny-llama"
+        assert (await collect(backend, make_prompt(12))).finish_reason == "length"
+    finally:
+        await backend.aclose()
 
 
 def test_a_folder_without_config_json_is_rejected(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ in a second of wall time) while this test's event loop keeps serving the app it 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -141,6 +142,12 @@ async def test_dashboard_shows_what_admin_cache_reports(serve: Serve, tmp_path: 
     # The history chart has a line per series (hit rate, then each tier's occupancy) over several polls.
     assert int(str(page.by_id["chart-rates"]["data-samples"])) >= 2
     assert page.polylines == 1 + len(report["tiers"]) + 1
+    # Axes: the top of each scale, and the times of the oldest and newest samples (5 s apart at least).
+    assert page.text("chart-rates-top") == "100.0%"
+    assert page.text("chart-saved-top") == f"{totals['tokens_saved']:,}"
+    for chart in ("chart-rates", "chart-saved"):
+        oldest, newest = page.text(f"{chart}-from"), page.text(f"{chart}-to")
+        assert re.fullmatch(r"\d{1,2}:\d{2}:\d{2}( [AP]M)?", oldest) and oldest != newest, (oldest, newest)
 
     prefixes = (await admin(client, "/admin/cache/prefixes?limit=8"))["data"]
     assert page.prefix_keys == [prefix["key"] for prefix in prefixes]

@@ -163,6 +163,8 @@ async def flush(request: web.Request) -> web.Response:
     if body.tier is not None and body.tenant is not None:
         raise RequestError("send tier or tenant, not both: a tenant's blocks are dropped from every tier")
     tier = params.tier_name(body.tier, _tier_names(engine))
+    # Blocks of requests that have already answered are flushed too, not stored just after.
+    await engine.wait_for_blocks()
     if body.tenant is not None:
         removed = await asyncio.to_thread(_flush_tenant, engine.store, body.tenant)
     else:

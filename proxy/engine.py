@@ -218,6 +218,12 @@ class Engine:
         layout = request.messages is not None and request.layout and self._layout
         return await asyncio.to_thread(self._explain, prepared, request.messages, layout)
 
+    async def wait_for_blocks(self) -> None:
+        """Wait until every block completed so far is in the store."""
+        # A block the model completes as a request ends may still be on its way when the response has gone out. The
+        # filer is one thread taking blocks in order, so a no-op handed to it now ends after all of them.
+        await asyncio.wrap_future(self._filer.submit(lambda: None))
+
     async def close(self) -> None:
         """Stop the model, finish filing blocks and close the store."""
         await self.backend.aclose()

@@ -115,6 +115,7 @@ async def test_explain_is_a_dry_run_that_loads_moves_and_counts_nothing(serve: S
     client = await serve(admin_key=ADMIN_KEY)
     await cached(client, chat())
     engine = engine_of(client)
+    await engine.wait_for_blocks()  # the answer's last block may still be on its way to the store
     engine.store.flush("host")  # what is cached is on disk only: a fetch would promote it
     before = (engine.store.stats(), engine.stats.snapshot(), engine.store.entries())
     explained = await explain(client, chat())

@@ -428,7 +428,7 @@ def default_interleaved_prefill_tokens(device: torch.device, prefill_chunk_token
 
     On a GPU a step's time barely grows with a few hundred more tokens, so prompts keep their full chunk. On a CPU
     it grows with every token, and more the longer the prompt's context (SmolLM2 on 2 cores: 80 prompt tokens at 4k
-    context add about four decode steps' time), so the default keeps running streams within a few times their pace.
+    context add about five decode steps' time), so the default keeps running streams within a few times their pace.
     """
     return prefill_chunk_tokens if device.type == "cuda" else min(prefill_chunk_tokens, _CPU_INTERLEAVED_TOKENS)
 

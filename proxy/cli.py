@@ -21,6 +21,7 @@ from prefixgate.proxy.settings import Settings, load_settings
 
 # Settings whose values are maps take `KEY=VALUE` flags that may repeat.
 _MAP_FLAGS = {"api_keys": ("--api-key", "KEY=TENANT"), "layout_patterns": ("--layout-pattern", "NAME=REGEX")}
+_BYTE_UNITS = ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"), (0, ""))  # byte settings shown as flags take them
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,9 +144,6 @@ def _show(value: Any) -> str:
     if isinstance(value, ByteSize):  # as a flag takes it: 8GiB, not 8589934592
         return next(f"{value >> shift}{unit}" for shift, unit in _BYTE_UNITS if value % (1 << shift) == 0)
     return "none" if value is None else str(value)
-
-
-_BYTE_UNITS = ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"), (0, ""))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
@@ -27,6 +28,7 @@ from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
+from prefixgate.proxy.statistics import EngineCollector
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 from prefixgate.threads import use_threads
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefixgate.requests")  # one line per request; its fields ride on the record
 
 ENGINE = web.AppKey("engine", Engine)
+METRICS = web.AppKey("metrics", CollectorRegistry)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
@@ -99,6 +102,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
 
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
         app[ENGINE] = await engine_factory(settings)
+        app[METRICS] = _metrics_registry(app[ENGINE], settings)
         # The model is loaded: from now on the loop's worker threads, which prepare prompts and copy blocks, run
         # torch on one CPU thread and make no OpenMP pool beside the model thread's (see prefixgate.threads).
         executor = ThreadPoolExecutor(thread_name_prefix="prefixgate-io", initializer=use_threads, initargs=(1,))
@@ -182,11 +186,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics, in Prometheus text format."""
-    engine = request.app[ENGINE]
-    tiers = await asyncio.to_thread(engine.store.stats)
-    settings = request.app[SETTINGS]
-    text = engine.stats.prometheus(tiers, engine.backend.admission(), tenants=settings.metrics_tenants)
-    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+    # Off the loop: a scrape reads the store's tiers, and that touches LMDB.
+    body = await asyncio.to_thread(generate_latest, request.app[METRICS])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 # -- rendering ----------------------------------------------------------------------------------------------------
@@ -268,6 +270,21 @@ def _engine_for(request: web.Request, model: str) -> Engine:
     if model != engine.backend.model_id:
         raise ModelNotServed(model, engine.backend.model_id)
     return engine
+
+
+def _metrics_registry(engine: Engine, settings: Settings) -> CollectorRegistry:
+    """Return a registry of the app's own that reads the engine's statistics at each scrape."""
+    # One per app, not prometheus_client's process-wide default: several apps in one process each report their own.
+    registry = CollectorRegistry()
+    collector = EngineCollector(
+        engine.stats,
+        engine.store.stats,
+        engine.backend.admission,
+        model_name=engine.backend.model_id,
+        tenants=settings.metrics_tenants,
+    )
+    registry.register(collector)
+    return registry
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:

@@ -1,11 +1,21 @@
-"""The engine's statistics, and their Prometheus text rendering for `/metrics`."""
+"""The engine's statistics, and the Prometheus collector that reads them for `/metrics`."""
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from prefixgate.backends import AdmissionStats
 from prefixgate.store import TierStats
@@ -78,108 +88,20 @@ class EngineStats:
             self.errors += 1
 
     def snapshot(self) -> EngineStatsSnapshot:
-        """Return a consistent copy of the counts the admin endpoint reports."""
+        """Return a consistent copy of every count, for the admin endpoint and `/metrics`."""
         with self._lock:
             return EngineStatsSnapshot(
                 requests=self.requests,
                 errors=self.errors,
+                rejected=self.rejected,
+                store_errors=self.store_errors,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
                 cached_tokens=dict(self.cached_tokens),
+                ttft_buckets=tuple(self.ttft_buckets),
+                ttft_sum=self.ttft_sum,
                 tenants=dict(self.tenants),
             )
-
-    def prometheus(
-        self, tiers: Sequence[TierStats], admission: AdmissionStats | None = None, *, tenants: bool = False
-    ) -> str:
-        """Return the statistics, the store's and admission's, in Prometheus text exposition format.
-
-        `tenants` adds each tenant's counts, labelled with its name.
-        """
-        with self._lock:
-            lines = [
-                *_counter("prefixgate_requests_total", "Requests that produced a first token.", self.requests),
-                *_counter("prefixgate_request_errors_total", "Requests that failed before a token.", self.errors),
-                *_counter(
-                    "prefixgate_store_put_errors_total", "Computed blocks the store failed to keep.", self.store_errors
-                ),
-                *_counter(
-                    "prefixgate_rejected_requests_total",
-                    "Requests refused with 429: the wait queue was full.",
-                    self.rejected,
-                ),
-                *_counter("prefixgate_prompt_tokens_total", "Prompt tokens of all requests.", self.prompt_tokens),
-                *_counter(
-                    "prefixgate_completion_tokens_total", "Tokens generated for all requests.", self.completion_tokens
-                ),
-                "# HELP prefixgate_cached_tokens_total Prompt tokens served from the cache, by tier.",
-                "# TYPE prefixgate_cached_tokens_total counter",
-                *(
-                    f'prefixgate_cached_tokens_total{{tier="{tier.name}"}} {self.cached_tokens.get(tier.name, 0)}'
-                    for tier in tiers
-                ),
-                "# HELP prefixgate_time_to_first_token_seconds Time from request to first token.",
-                "# TYPE prefixgate_time_to_first_token_seconds histogram",
-            ]
-            running = 0
-            for bound, count in zip((*TTFT_BUCKETS, float("inf")), self.ttft_buckets, strict=True):
-                running += count
-                label = "+Inf" if bound == float("inf") else repr(bound)
-                lines.append(f'prefixgate_time_to_first_token_seconds_bucket{{le="{label}"}} {running}')
-            lines.append(f"prefixgate_time_to_first_token_seconds_sum {self.ttft_sum}")
-            lines.append(f"prefixgate_time_to_first_token_seconds_count {running}")
-            # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
-            # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
-            if tenants:
-                lines += self._tenant_lines()
-        for name, help_text, attribute in (
-            ("entries", "Blocks held, by tier.", "entries"),
-            ("bytes", "Bytes held, by tier.", "bytes"),
-            ("capacity_bytes", "Byte budget, by tier.", "capacity"),
-        ):
-            lines += [f"# HELP prefixgate_store_{name} {help_text}", f"# TYPE prefixgate_store_{name} gauge"]
-            lines += [f'prefixgate_store_{name}{{tier="{t.name}"}} {getattr(t, attribute)}' for t in tiers]
-        counters = (
-            "hits",
-            "misses",
-            "evictions",
-            "expirations",
-            "promotions",
-            "demotions",
-            "corrupt",
-            "dropped_writes",
-        )
-        for counter in counters:
-            lines += [
-                f"# HELP prefixgate_store_{counter}_total Block {counter.replace('_', ' ')}, by tier.",
-                f"# TYPE prefixgate_store_{counter}_total counter",
-            ]
-            lines += [f'prefixgate_store_{counter}_total{{tier="{t.name}"}} {getattr(t, counter)}' for t in tiers]
-        if admission is not None:
-            for name, help_text, value in (
-                ("running_requests", "Requests the model is running.", admission.running),
-                ("waiting_requests", "Requests waiting for room to run.", admission.waiting),
-                ("kv_memory_bytes", "KV memory reserved by running requests.", admission.bytes_in_use),
-                ("kv_memory_budget_bytes", "KV memory running requests may reserve.", admission.budget_bytes),
-            ):
-                lines += [f"# HELP prefixgate_{name} {help_text}", f"# TYPE prefixgate_{name} gauge"]
-                lines.append(f"prefixgate_{name} {value}")
-        return "\n".join(lines) + "\n"
-
-    def _tenant_lines(self) -> list[str]:
-        lines = []
-        for counted, help_text in (
-            ("requests", "Requests that produced a first token, by tenant."),
-            ("prompt_tokens", "Prompt tokens, by tenant."),
-            ("cached_tokens", "Prompt tokens served from the cache, by tenant."),
-        ):
-            name = f"prefixgate_tenant_{counted}_total"
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-            lines += [
-                f'{name}{{tenant="{_label_value(tenant)}"}} {getattr(counts, counted)}'
-                for tenant, counts in sorted(self.tenants.items())
-            ]
-        return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +110,13 @@ class EngineStatsSnapshot:
 
     requests: int
     errors: int
+    rejected: int
+    store_errors: int
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: dict[str, int]  # per tier
+    ttft_buckets: tuple[int, ...]  # requests up to each TTFT_BUCKETS bound from the one before, then past the last
+    ttft_sum: float
     tenants: dict[str, TenantStats]
 
     @property
@@ -199,10 +125,129 @@ class EngineStatsSnapshot:
         return sum(self.cached_tokens.values())
 
 
-def _label_value(value: str) -> str:
-    """Escape a Prometheus label value: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class EngineCollector(Collector):
+    """Read the engine's counts, its store's tiers and its admission at each scrape, as Prometheus metrics.
+
+    Names follow Prometheus's conventions, and vLLM's where they mean the same thing (`prefixgate_` for `vllm:`), so
+    dashboards and alerts made for vLLM carry over. The engine's metrics carry `model_name` as vLLM's do; the store's
+    carry only `tier`, because the store knows no models (one disk tier may hold blocks of several).
+    `collect` reads the store's tiers, which touches LMDB: call it, or `generate_latest`, off the event loop.
+    """
+
+    def __init__(
+        self,
+        stats: EngineStats,
+        tiers: Callable[[], Sequence[TierStats]],
+        admission: Callable[[], AdmissionStats],
+        *,
+        model_name: str,
+        tenants: bool = False,
+    ) -> None:
+        self._stats = stats
+        self._tiers = tiers
+        self._admission = admission
+        self._model_name = model_name
+        # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
+        # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield every metric family, read now."""
+        stats, tiers = self._stats.snapshot(), self._tiers()
+        yield from self._engine_metrics(stats, [tier.name for tier in tiers])
+        yield from self._admission_gauges(self._admission())
+        yield from _store_metrics(tiers)
+        if self._tenants:
+            yield from self._tenant_counters(stats.tenants)
+
+    def _engine_metrics(self, stats: EngineStatsSnapshot, tiers: Sequence[str]) -> Iterator[Metric]:
+        model = self._model_name
+        # Every prompt is looked up from its first token, so the queries are the prompt tokens. They and the hits are
+        # counted together, when a request's first token is out, so hits never exceed queries; and both carry the
+        # same labels, so rate(hits) / rate(queries) is the hit rate, as with vLLM's.
+        for name, help_text, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prompt_tokens),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.cached_total),
+            ("prompt_tokens", "Prompt tokens of requests that produced a first token.", stats.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", stats.completion_tokens),
+            ("requests", "Requests that produced a first token.", stats.requests),
+            ("request_errors", "Requests that failed before their first token.", stats.errors),
+            ("rejected_requests", "Requests refused with 429 because the wait queue was full.", stats.rejected),
+            ("store_put_errors", "Computed blocks the store failed to keep.", stats.store_errors),
+        ):
+            yield _family(CounterMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([model], value)])
+        yield _family(
+            CounterMetricFamily,
+            "prefixgate_prefix_cache_hits_by_tier",
+            "Prompt tokens served from the prefix cache, by the tier they came from.",
+            ["model_name", "tier"],
+            [([model, tier], stats.cached_tokens.get(tier, 0)) for tier in tiers],
+        )
+        ttft = HistogramMetricFamily(
+            "prefixgate_time_to_first_token_seconds",
+            "Seconds from a request reaching the engine to its first token.",
+            labels=["model_name"],
+        )
+        bounds = [*map(floatToGoString, TTFT_BUCKETS), "+Inf"]
+        ttft.add_metric([model], list(zip(bounds, accumulate(stats.ttft_buckets), strict=True)), stats.ttft_sum)
+        yield ttft
+
+    def _admission_gauges(self, admission: AdmissionStats) -> Iterator[Metric]:
+        for name, help_text, value in (
+            ("num_requests_running", "Requests the model is running.", admission.running),
+            ("num_requests_waiting", "Requests waiting for room to run.", admission.waiting),
+            ("kv_memory_bytes", "KV memory reserved by running requests, in bytes.", admission.bytes_in_use),
+            ("kv_memory_budget_bytes", "KV memory running requests may reserve, in bytes.", admission.budget_bytes),
+        ):
+            yield _family(
+                GaugeMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([self._model_name], value)]
+            )
+
+    def _tenant_counters(self, tenants: dict[str, TenantStats]) -> Iterator[Metric]:
+        for counted, help_text in (
+            ("requests", "Requests that produced a first token, by tenant."),
+            ("prompt_tokens", "Prompt tokens, by tenant."),
+            ("cached_tokens", "Prompt tokens served from the prefix cache, by tenant."),
+        ):
+            samples = [
+                ([self._model_name, tenant], getattr(counts, counted)) for tenant, counts in sorted(tenants.items())
+            ]
+            yield _family(
+                CounterMetricFamily, f"prefixgate_tenant_{counted}", help_text, ["model_name", "tenant"], samples
+            )
 
 
-def _counter(name: str, help_text: str, value: int) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+def _store_metrics(tiers: Sequence[TierStats]) -> Iterator[Metric]:
+    for name, help_text, attribute in (
+        ("entries", "Blocks held, by tier.", "entries"),
+        ("bytes", "Bytes held, by tier.", "bytes"),
+        ("capacity_bytes", "Byte budget, by tier.", "capacity"),
+    ):
+        samples = [([tier.name], getattr(tier, attribute)) for tier in tiers]
+        yield _family(GaugeMetricFamily, f"prefixgate_store_{name}", help_text, ["tier"], samples)
+    for counter, help_text in (
+        ("hits", "Blocks found in this tier, by tier."),
+        ("misses", "Blocks looked up and not found in this tier, by tier."),
+        ("evictions", "Blocks removed from this tier for room and not kept below it, by tier."),
+        ("expirations", "Blocks removed from this tier because their time to live ran out, by tier."),
+        ("promotions", "Blocks found in this tier and moved up to the top tier, by tier."),
+        ("demotions", "Blocks moved from this tier down to the next one for room, by tier."),
+        ("corrupt", "Blocks dropped from this tier because their tokens or checksum did not match, by tier."),
+        ("dropped_writes", "Blocks not written to this tier because its writer was too far behind, by tier."),
+    ):
+        samples = [([tier.name], getattr(tier, counter)) for tier in tiers]
+        yield _family(CounterMetricFamily, f"prefixgate_store_{counter}", help_text, ["tier"], samples)
+
+
+def _family(
+    kind: type[CounterMetricFamily | GaugeMetricFamily],
+    name: str,
+    help_text: str,
+    labels: Sequence[str],
+    samples: Iterable[tuple[Sequence[str], float]],
+) -> Metric:
+    """Return a counter or gauge family with one sample per (label values, value) pair."""
+    family = kind(name, help_text, labels=labels)
+    for label_values, value in samples:
+        family.add_metric(label_values, value)
+    return family

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import AppRunner, BaseRunner
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, StepRecord
@@ -123,3 +126,27 @@ def on_event_loop() -> bool:
 def engine_of(client: TestClient[Any, Any]) -> Engine:
     """Return the engine behind a test client's app."""
     return client.server.app[ENGINE]  # type: ignore[union-attr]
+
+
+def metric_families(text: str) -> dict[str, Metric]:
+    """Parse `/metrics` text as Prometheus does: its metric families by name (a counter's without `_total`)."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Metric], name: str, **labels: str) -> float:
+    """Return the value of the one sample called `name` whose labels include `labels`."""
+    values = [
+        found.value
+        for family in families.values()
+        for found in family.samples
+        if found.name == name and labels.items() <= found.labels.items()
+    ]
+    assert len(values) == 1, f"{len(values)} samples named {name} with labels {labels}"
+    return values[0]
+
+
+async def scrape(client: TestClient[Any, Any]) -> dict[str, Metric]:
+    """GET /metrics from the app and parse it."""
+    response = await client.get("/metrics")
+    assert response.status == 200 and response.headers["Content-Type"] == CONTENT_TYPE_LATEST
+    return metric_families(await response.text())

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from prometheus_client import REGISTRY, generate_latest
 
 from prefixgate.errors import StoreError
 from prefixgate.store import TieredStore
-from tests.proxy.conftest import MODEL, SYSTEM, Serve, engine_of
+from tests.proxy.conftest import MODEL, SYSTEM, Serve, engine_of, metric_families, sample, scrape
 from tests.proxy.conftest import chat_body as chat
 
 
@@ -242,10 +243,20 @@ async def test_models_health_and_metrics(serve: Serve) -> None:
     assert (await missing.json())["error"]["code"] == "model_not_found"
     await client.post("/v1/chat/completions", json=chat())
     await client.post("/v1/chat/completions", json=chat())
-    metrics = await (await client.get("/metrics")).text()
-    assert "prefixgate_requests_total 2" in metrics
-    assert 'prefixgate_cached_tokens_total{tier="host"}' in metrics
-    assert 'prefixgate_time_to_first_token_seconds_bucket{le="+Inf"} 2' in metrics
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_requests_total", model_name=MODEL) == 2
+    assert sample(metrics, "prefixgate_time_to_first_token_seconds_count", model_name=MODEL) == 2
+    assert sample(metrics, "prefixgate_time_to_first_token_seconds_bucket", le="+Inf") == 2
+    # The second request found the first one's prompt in the cache: some of its tokens, never more than were asked.
+    queries = sample(metrics, "prefixgate_prefix_cache_queries_total", model_name=MODEL)
+    hits = sample(metrics, "prefixgate_prefix_cache_hits_total", model_name=MODEL)
+    assert 0 < hits <= queries == sample(metrics, "prefixgate_prompt_tokens_total")
+    assert sample(metrics, "prefixgate_prefix_cache_hits_by_tier_total", tier="host") == hits
+    assert sample(metrics, "prefixgate_generation_tokens_total") > 0
+    assert sample(metrics, "prefixgate_num_requests_running") == sample(metrics, "prefixgate_num_requests_waiting") == 0
+    assert sample(metrics, "prefixgate_store_entries", tier="host") > 0
+    # Each app has a registry of its own: nothing lands in prometheus_client's process-wide one.
+    assert "prefixgate_" not in generate_latest(REGISTRY).decode()
 
 
 async def test_api_keys_map_to_tenants_that_never_share_blocks(serve: Serve) -> None:
@@ -267,12 +278,11 @@ async def test_api_keys_map_to_tenants_that_never_share_blocks(serve: Serve) -> 
     assert await cached("key-a", cache_salt="project-x") == 0  # a salt splits one tenant's cache
     assert await cached("key-a", cache_salt="project-x") > 0
     assert (await client.get("/health")).status == 200  # health needs no key
-    metrics = (await (await client.get("/metrics")).text()).splitlines()
-    assert 'prefixgate_tenant_requests_total{tenant="acme"} 4' in metrics
-    assert 'prefixgate_tenant_requests_total{tenant="globex"} 1' in metrics
-    assert 'prefixgate_tenant_cached_tokens_total{tenant="globex"} 0' in metrics
-    acme = 'prefixgate_tenant_cached_tokens_total{tenant="acme"}'
-    assert int(next(line for line in metrics if line.startswith(acme)).split()[-1]) > 0
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_tenant_requests_total", tenant="acme") == 4
+    assert sample(metrics, "prefixgate_tenant_requests_total", tenant="globex") == 1
+    assert sample(metrics, "prefixgate_tenant_cached_tokens_total", tenant="globex") == 0
+    assert sample(metrics, "prefixgate_tenant_cached_tokens_total", tenant="acme") > 0
 
 
 async def test_metrics_name_no_tenant_unless_configured_to(serve: Serve) -> None:
@@ -280,7 +290,7 @@ async def test_metrics_name_no_tenant_unless_configured_to(serve: Serve) -> None
     response = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer key-a"})
     assert response.status == 200
     metrics = await (await client.get("/metrics")).text()
-    assert "prefixgate_requests_total 1" in metrics
+    assert sample(metric_families(metrics), "prefixgate_requests_total") == 1
     assert "acme" not in metrics and "prefixgate_tenant_" not in metrics
 
 

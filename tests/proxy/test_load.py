@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from prefixgate.backends import StepRecord
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Engine
-from tests.proxy.conftest import MODEL, Serve, chat_body, engine_of, on_event_loop
+from tests.proxy.conftest import MODEL, Serve, chat_body, engine_of, on_event_loop, sample, scrape
 
 CLIENTS = 48
 BUDGET_BYTES = 6 * 512 * 512  # six requests of 512 tokens (prompt and max_tokens), at 512 bytes a token
@@ -90,10 +90,11 @@ async def test_48_streaming_clients_complete_or_get_429_and_the_server_serves_on
     await asyncio.wait_for(until(lambda: backend.admission().running == 0), HANG_GUARD_SECONDS)
     stats = backend.admission()
     assert (stats.running, stats.waiting, stats.bytes_in_use) == (0, 0, 0)
-    metrics = (await (await client.get("/metrics")).text()).splitlines()
-    assert f"prefixgate_rejected_requests_total {outcomes.count('429')}" in metrics
-    assert "prefixgate_running_requests 0" in metrics and "prefixgate_kv_memory_bytes 0" in metrics
-    assert f"prefixgate_kv_memory_budget_bytes {BUDGET_BYTES}" in metrics
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_rejected_requests_total") == outcomes.count("429")
+    assert sample(metrics, "prefixgate_num_requests_running") == sample(metrics, "prefixgate_num_requests_waiting") == 0
+    assert sample(metrics, "prefixgate_kv_memory_bytes") == 0
+    assert sample(metrics, "prefixgate_kv_memory_budget_bytes") == BUDGET_BYTES
     # The server and its store serve normally afterwards: a repeated prompt is served from the cache.
     again = await client.post("/v1/chat/completions", json=chat_body(document(1), max_tokens=4))
     assert again.status == 200

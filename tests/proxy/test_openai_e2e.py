@@ -15,6 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.proxy.conftest import metric_families, sample
+
 pytestmark = pytest.mark.smollm2
 
 MODEL = "smollm2-135m"
@@ -155,12 +157,10 @@ def test_a_restarted_server_serves_the_prefix_from_disk(start_server: Callable[.
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 1000
     assert again.choices[0].message.content == first.choices[0].message.content
-    disk_tokens = next(
-        line
-        for line in second_server.metrics().splitlines()
-        if line.startswith('prefixgate_cached_tokens_total{tier="disk"}')
-    )
-    assert int(disk_tokens.split()[-1]) >= 1000
+    metrics = metric_families(second_server.metrics())
+    disk_tokens = sample(metrics, "prefixgate_prefix_cache_hits_by_tier_total", model_name=MODEL, tier="disk")
+    assert disk_tokens == sample(metrics, "prefixgate_prefix_cache_hits_total") >= 1000
+    assert sample(metrics, "prefixgate_prefix_cache_queries_total") == again.usage.prompt_tokens
 
 
 def test_the_openai_client_example_shows_cached_tokens(start_server: Callable[..., Server]) -> None:

@@ -1,0 +1,519 @@
+"""The Redis tier: blocks in Redis (or Valkey) below the disk tier, shared by every replica pointed at it.
+
+It stands beside `Tier`, not under it. A `Tier` holds blocks within a byte budget it never exceeds, lists them, and
+lets its policy choose victims that the store then demotes. None of that fits Redis: it holds prefixgate's blocks
+among other data, under its own `maxmemory` and eviction policy, and replicas come and go while sharing it, so no
+replica could keep an order of its keys that the others agree with, and listing them is a full SCAN. So this tier
+does what Redis does well and nothing else: a chain of blocks read in one round trip, write-through in the
+background, deletes, and a flush. Expiry is Redis's own: every block is written with a TTL.
+
+Faults never reach callers. A connection error or timeout answers a miss, counts in `errors`, and marks the tier
+unavailable; until its backoff is over (doubling with each failed try, on the injected clock) it answers misses and
+drops writes without touching the network, so a dead Redis costs a lookup nothing. The one exception is
+`load_or_create_secret`, called once at startup: a replica that cannot read the shared secret would key its blocks
+apart from the others and share nothing, silently.
+
+Operators: give Redis `maxmemory-policy volatile-lru` (or another `volatile-*`): every block carries a TTL and the
+shared secret does not, so Redis evicts blocks and never the secret. Under `noeviction`, writes past `maxmemory` are
+refused; they are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError, RedisError
+from redis.retry import Retry
+
+from prefixgate.errors import ConfigError, StoreError
+from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.codec import CorruptBlockError, decode, encode
+from prefixgate.store.keys import BlockKey
+from prefixgate.store.tier import TierCounters
+from prefixgate.threads import use_threads
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "prefixgate:block:"  # every block key starts with it, so a flush touches only prefixgate's blocks
+SECRET_KEY = "prefixgate:secret"  # outside KEY_PREFIX: a flush keeps it
+DEFAULT_TTL = 24 * 3600.0
+DEFAULT_SOCKET_TIMEOUT = 0.25
+DEFAULT_WRITE_TIMEOUT = 5.0
+_SECRET_BYTES = 32
+_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
+_BATCH_OPS = 64  # operations per pipeline
+_BATCH_BYTES = 16 << 20  # tensor bytes per pipeline: each is encoded in memory before it is sent
+_SCAN_COUNT = 1000  # keys per SCAN step, and per UNLINK
+_MAX_DOUBLINGS = 30
+
+
+@dataclass(slots=True)
+class RedisCounters(TierCounters):
+    """The tier counters, plus what only a networked tier has."""
+
+    errors: int = 0  # failed round trips: connection errors, timeouts, replies other than OOM
+    writes: int = 0  # blocks Redis accepted
+    bytes_written: int = 0  # their encoded bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RedisStats:
+    """A snapshot of the Redis tier's state and counters; for its number of blocks see `RedisTier.count_entries`."""
+
+    name: str
+    url: str  # with its password masked
+    available: bool
+    hits: int
+    misses: int
+    promotions: int
+    corrupt: int
+    dropped_writes: int  # writer too far behind, Redis unavailable, or Redis out of memory
+    errors: int
+    writes: int
+    bytes_written: int
+    queued_bytes: int  # tensor bytes waiting for the writer now
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteBlock:
+    """One verified block of a chain read, with the pin and own ttl it was written with."""
+
+    block: Block
+    pinned: bool
+    ttl: float | None  # seconds from `block.created`
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    block: Block
+    pinned: bool
+    ttl: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Delete:
+    keys: tuple[BlockKey, ...]
+
+
+_Op = _Put | _Delete | None  # None stops the writer
+
+
+class RedisTier:
+    """Blocks in Redis as codec values under `prefixgate:block:<key hex>`, each expiring by its own TTL.
+
+    Reads run in the caller's thread, one round trip a chain. Writes go through one background thread, pipelined in
+    batches: a block is visible to readers once the writer has sent it (`flush` waits for that). At most
+    `queue_bytes` of blocks wait for the writer; a `put` beyond that is dropped and counted.
+
+    `stats` is cheap and makes no round trip, so it reports no number of blocks: Redis expires and evicts them on
+    its own, so no count kept here stays true, and DBSIZE counts every key of the database, not prefixgate's.
+    `count_entries` gives the true number on demand, with a SCAN of the whole database.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        layout: BlockLayout,
+        *,
+        name: str = "remote",
+        ttl: float = DEFAULT_TTL,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        queue_bytes: int = _QUEUE_BYTES,
+        backoff: float = 1.0,
+        max_backoff: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = masked_url(url)
+        if urlsplit(url).scheme not in ("redis", "rediss"):
+            raise ConfigError(f"a Redis URL starts with redis:// (or rediss:// for TLS), got {self.url!r}")
+        if ttl <= 0 or socket_timeout <= 0 or write_timeout <= 0 or backoff <= 0 or max_backoff < backoff:
+            raise ConfigError(
+                "the Redis tier's ttl, timeouts and backoff must be positive, with max_backoff at least backoff; "
+                f"got ttl={ttl}, socket_timeout={socket_timeout}, write_timeout={write_timeout}, "
+                f"backoff={backoff}, max_backoff={max_backoff}"
+            )
+        self.name = name
+        self.layout = layout
+        self.ttl = ttl
+        self.counters = RedisCounters()
+        self._clock = clock  # in the time base of `Block.created`; also times the backoff
+        self._health = _Health(clock, backoff, max_backoff)
+        # Two clients: lookups wait at most `socket_timeout`, so a dead Redis answers a miss fast; the writer sends
+        # whole blocks, which take longer than that on a slow link, and nobody waits for it.
+        self._reader = _client(url, socket_timeout, socket_timeout)
+        self._writer_client = _client(url, socket_timeout, write_timeout)
+        self._lock = threading.Lock()
+        # Blocks queued and not yet sent hold their tensors (on a GPU, device memory): at most this many.
+        self._max_queued = max(1, queue_bytes // layout.nbytes)
+        self._queued = 0
+        self._queue: queue.Queue[_Op] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name=f"prefixgate-{name}-writer", daemon=True)
+        self._writer.start()
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url!r}, name={self.name!r})"
+
+    @property
+    def available(self) -> bool:
+        """Return whether Redis answered the last time the tier asked it."""
+        return self._health.available
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def get_chain(
+        self, keys: Sequence[BlockKey], tokens: Sequence[int], out: torch.Tensor | None = None
+    ) -> list[RemoteBlock]:
+        """Return the leading run of `keys` held in Redis, verified against `tokens`, read in one round trip.
+
+        `tokens` are the token ids the keys cover, `block_size` per key. Block `i` is copied into
+        `out[:, :, :, i * block_size : (i + 1) * block_size]` when `out` is given (`[layers, 2, kv_heads, tokens,
+        head_dim]`, as `TieredStore.fetch` lends it), so each returned tensor is a view into it. The run ends at the
+        first block missing or failing verification; a failing one is deleted from Redis and counted as corrupt.
+        Every key is asked for in the one MGET, so values after a gap travel for nothing: a second round trip per
+        gap would cost more.
+        """
+        if not keys:
+            return []
+        size = self.layout.block_size
+        if len(tokens) < len(keys) * size or (out is not None and out.shape[3] < len(keys) * size):
+            raise RuntimeError(f"get_chain needs tokens, and an out, covering {len(keys)} blocks of {size} tokens")
+        if not self._health.usable():
+            self.counters.add("misses")
+            return []
+        try:
+            values = cast(list[bytes | None], self._reader.mget([_redis_key(key) for key in keys]))
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            self.counters.add("misses")
+            return []
+        self._answered()
+        found: list[RemoteBlock] = []
+        for index, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if value is None:
+                break
+            span = slice(index * size, (index + 1) * size)
+            slot = out[:, :, :, span] if out is not None else None  # slot: [layers, 2, kv_heads, block, head_dim]
+            try:
+                block, header = decode(key, value, self.layout, slot)
+            except CorruptBlockError as error:
+                self._drop_corrupt(key, str(error))
+                break
+            if block.tokens != tuple(tokens[span]):
+                self._drop_corrupt(key, "tokens differ")
+                break
+            found.append(RemoteBlock(block, header.pinned, header.ttl))
+        self.counters.add("hits", len(found))
+        if len(found) < len(keys):
+            self.counters.add("misses")
+        return found
+
+    def count_entries(self) -> int | None:
+        """Return how many prefixgate blocks Redis holds (of every model and tenant), or None when it does not answer.
+
+        A SCAN of the whole database, as long as the database is big: for an operator's look, not for a dashboard
+        that refreshes every second.
+        """
+        if not self._health.usable():
+            return None
+        try:
+            count = sum(1 for _ in self._writer_client.scan_iter(match=f"{KEY_PREFIX}*", count=_SCAN_COUNT))
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            return None
+        self._answered()
+        return count
+
+    def load_or_create_secret(self) -> bytes:
+        """Return the deployment secret kept in Redis, creating it once, so every replica keys blocks alike.
+
+        Raise StoreError when Redis does not answer or holds a damaged secret.
+        """
+        # SET NX: of replicas starting at once, exactly one creates it, and every one then reads the same bytes.
+        try:
+            self._writer_client.set(SECRET_KEY, os.urandom(_SECRET_BYTES), nx=True)
+            secret = self._writer_client.get(SECRET_KEY)
+        except (RedisError, OSError) as error:
+            raise StoreError(
+                f"cannot read the shared secret {SECRET_KEY!r} from Redis at {self.url} ({error}); "
+                "check that Redis runs and the URL is right"
+            ) from error
+        if not isinstance(secret, bytes) or len(secret) != _SECRET_BYTES:
+            length = len(secret) if isinstance(secret, bytes) else 0
+            raise StoreError(
+                f"{SECRET_KEY!r} in Redis at {self.url} is damaged ({length} bytes, expected {_SECRET_BYTES}); "
+                "delete it to reset (every replica then keys its blocks anew)"
+            )
+        return secret
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+        """Queue `block` for Redis; return whether it was taken.
+
+        `ttl` is the block's own lifetime in seconds from `block.created`; Redis keeps the block for that or the
+        tier's ttl, whichever ends first, and a block whose own lifetime is over is not taken. A block is dropped,
+        and counted in `dropped_writes`, when the writer is too far behind or Redis is unavailable. The writer
+        encodes the tensor later: hand one that nothing overwrites.
+        """
+        self.layout.check(block)
+        if self._lifetime_ms(block.created, ttl) is None:
+            return False
+        with self._lock:
+            # Dropped rather than waited for: the caller may hold the store's lock, and the block stays in the tiers
+            # above; only its Redis copy is skipped.
+            if self._queued >= self._max_queued or not self._health.usable():
+                self.counters.add("dropped_writes")
+                return False
+            self._queued += 1
+        self._queue.put(_Put(block, pinned, ttl))
+        return True
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        """Queue the blocks' deletion from Redis, after every write queued before it."""
+        if keys:
+            self._queue.put(_Delete(tuple(keys)))
+
+    def clear(self) -> int:
+        """Delete every prefixgate block in the database, of every model and tenant; return how many.
+
+        Other keys, the shared secret among them, are left alone. Redis keys carry no layout, and telling one
+        model's blocks from another's would mean reading every value.
+        """
+        self.flush()  # blocks queued before the clear land before it, so it leaves none of them behind
+        if not self._health.usable():
+            return 0
+        deleted = 0
+        batch: list[bytes] = []
+        try:
+            # UNLINK during SCAN is safe: SCAN still returns every key present for the whole scan.
+            for name in self._writer_client.scan_iter(match=f"{KEY_PREFIX}*", count=_SCAN_COUNT):
+                batch.append(name)
+                if len(batch) >= _SCAN_COUNT:
+                    deleted += self._writer_client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                deleted += self._writer_client.unlink(*batch)
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            return deleted
+        self._answered()
+        return deleted
+
+    def flush(self) -> None:
+        """Wait until every write queued so far has been sent (or dropped)."""
+        self._queue.join()
+
+    def stats(self) -> RedisStats:
+        """Return a snapshot of state and counters, without a round trip."""
+        counters = self.counters
+        with self._lock:
+            queued_bytes = self._queued * self.layout.nbytes
+        return RedisStats(
+            name=self.name,
+            url=self.url,
+            available=self.available,
+            hits=counters.hits,
+            misses=counters.misses,
+            promotions=counters.promotions,
+            corrupt=counters.corrupt,
+            dropped_writes=counters.dropped_writes,
+            errors=counters.errors,
+            writes=counters.writes,
+            bytes_written=counters.bytes_written,
+            queued_bytes=queued_bytes,
+        )
+
+    def close(self) -> None:
+        """Send what is queued (when Redis answers), stop the writer and close the connections."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+            self._reader.close()
+            self._writer_client.close()
+
+    # -- the writer thread --------------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        use_threads(1)  # it encodes tensors: no OpenMP pool of its own (see prefixgate.threads)
+        max_puts = max(1, _BATCH_BYTES // self.layout.nbytes)
+        while True:
+            batch = [self._queue.get()]
+            puts = int(isinstance(batch[0], _Put))  # blocks in the batch, each holding its tensor
+            while batch[-1] is not None and len(batch) < _BATCH_OPS and puts < max_puts:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+                puts += isinstance(batch[-1], _Put)
+            ops = [op for op in batch if op is not None]
+            try:
+                self._write(ops)
+            except Exception:  # the writer must outlive any one bad batch, or every later write is lost
+                log.exception("writing %d operations to Redis at %s failed", len(ops), self.url)
+            finally:
+                with self._lock:
+                    self._queued -= puts
+                for _ in batch:
+                    self._queue.task_done()
+            if batch[-1] is None:
+                return
+
+    def _write(self, ops: list[_Put | _Delete]) -> None:
+        """Send the batch in one pipeline; count what Redis took and what it refused."""
+        if not self._health.usable():
+            # The deletes are lost too: a corrupt value fails verification again on its next read, and goes then.
+            self.counters.add("dropped_writes", sum(isinstance(op, _Put) for op in ops))
+            return
+        pipe = self._writer_client.pipeline(transaction=False)
+        sizes: list[int | None] = []  # per command sent: a put's encoded bytes, None for a delete
+        for op in ops:
+            if isinstance(op, _Delete):
+                pipe.unlink(*(_redis_key(key) for key in op.keys))
+                sizes.append(None)
+                continue
+            lifetime = self._lifetime_ms(op.block.created, op.ttl)
+            if lifetime is None:
+                continue  # its own lifetime ran out while it waited
+            value = encode(op.block, pinned=op.pinned, ttl=op.ttl)
+            pipe.set(_redis_key(op.block.key), value, px=lifetime)
+            sizes.append(len(value))
+        if not sizes:
+            return
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            self.counters.add("dropped_writes", sum(size is not None for size in sizes))
+            return
+        self._answered()
+        refused: list[str] = []
+        for size, reply in zip(sizes, replies, strict=True):
+            if not isinstance(reply, Exception):
+                if size is not None:
+                    self.counters.add("writes")
+                    self.counters.add("bytes_written", size)
+                continue
+            if size is not None:
+                self.counters.add("dropped_writes")
+            if not isinstance(reply, OutOfMemoryError):  # OOM is Redis full under `noeviction`: expected, not a fault
+                self.counters.add("errors")
+                refused.append(str(reply))
+        if refused:
+            log.warning("Redis at %s refused %d writes: %s", self.url, len(refused), refused[0])
+
+    # -- faults -------------------------------------------------------------------------------------------------
+
+    def _lifetime_ms(self, created: float, ttl: float | None) -> int | None:
+        """Return how long Redis keeps a block, in ms: the tier's ttl, or what is left of its own when sooner."""
+        lifetime = self.ttl if ttl is None else min(self.ttl, created + ttl - self._clock())
+        milliseconds = int(lifetime * 1000)
+        return milliseconds if milliseconds > 0 else None
+
+    def _drop_corrupt(self, key: BlockKey, why: str) -> None:
+        log.warning("dropping corrupt block %s from Redis at %s: %s", key.hex(), self.url, why)
+        self.counters.add("corrupt")
+        self.remove([key])
+
+    def _fault(self, error: Exception) -> None:
+        """Count a failed round trip and mark Redis unavailable until the backoff is over."""
+        self.counters.add("errors")
+        delay = self._health.failed()
+        if delay is not None:  # None: a round trip begun before an earlier failure, already logged
+            log.warning(
+                "Redis at %s failed (%s: %s); answering misses, next try in %.3g s",
+                self.url,
+                type(error).__name__,
+                error,
+                delay,
+            )
+        # Idle connections are likely dead too (a restarted Redis closed them all): the next try opens new ones.
+        for client in (self._reader, self._writer_client):
+            client.connection_pool.disconnect(inuse_connections=False)
+
+    def _answered(self) -> None:
+        if self._health.succeeded():
+            log.info("Redis at %s answers again", self.url)
+
+
+def masked_url(url: str) -> str:
+    """Return `url` with any password in it replaced by `***`, fit for logs and stats."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    query = parts.query
+    fields = parse_qsl(query, keep_blank_values=True)
+    if any(name == "password" for name, _ in fields):  # redis-py also takes `?password=`
+        query = urlencode([(name, "***" if name == "password" else value) for name, value in fields], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _redis_key(key: BlockKey) -> str:
+    return f"{KEY_PREFIX}{key.hex()}"
+
+
+def _client(url: str, connect_timeout: float, timeout: float) -> redis.Redis:
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout,
+            # One try per call: the tier's own backoff decides when to try again. redis-py's default (three more
+            # tries with backoff, since 6.0) would turn one lookup against a dead Redis into seconds.
+            retry=Retry(NoBackoff(), 0),
+            client_name="prefixgate",
+        )
+    except ValueError as error:  # a malformed port, database number or query option
+        raise ConfigError(f"bad Redis URL {masked_url(url)!r}: {error}") from error
+
+
+class _Health:
+    """Whether Redis answers, and when to try it again after it did not: exponential backoff on an injected clock."""
+
+    def __init__(self, clock: Callable[[], float], first: float, cap: float) -> None:
+        self._clock = clock
+        self._first = first
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._failures = 0  # failed tries in a row
+        self._retry_at = 0.0
+
+    @property
+    def available(self) -> bool:
+        return self._failures == 0
+
+    def usable(self) -> bool:
+        """Return whether to talk to Redis now: it answered last time, or its backoff is over (this is a try)."""
+        with self._lock:
+            return self._failures == 0 or self._clock() >= self._retry_at
+
+    def failed(self) -> float | None:
+        """Record a failed round trip; return the next backoff, or None when it repeats a failure already recorded."""
+        with self._lock:
+            now = self._clock()
+            if self._failures and now < self._retry_at:
+                return None  # begun before Redis was marked down (another thread's round trip): no new try failed
+            self._failures += 1
+            delay = min(self._cap, self._first * 2.0 ** min(self._failures - 1, _MAX_DOUBLINGS))
+            self._retry_at = now + delay
+            return delay
+
+    def succeeded(self) -> bool:
+        """Record an answer; return whether Redis was unavailable until now."""
+        with self._lock:
+            was_down = self._failures > 0
+            self._failures = 0
+            return was_down

@@ -99,7 +99,7 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
             store.put(
                 [Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i]) for i in range(count)]
             )
-            store.wait_for_disk()
+            store.wait_for_writes()
         # Rounds of one run each, interleaved, so the machine's slow moments fall on every column alike.
         for _ in range(repeats):
             for tier, store in stores.items():

@@ -69,7 +69,7 @@ class EngineTarget:
 
     def flush(self) -> None:
         """Block until every block filed so far is written to the disk tier."""
-        self.engine.store.wait_for_disk()
+        self.engine.store.wait_for_writes()
 
 
 class ServerTarget:

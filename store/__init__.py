@@ -1,6 +1,7 @@
 """The tiered KV block store: block keys, the block codec, the device, host and disk tiers, and the store.
 
-Exports: `TieredStore` (open, lookup, fetch, put, inspect, delete, flush), its `StoreConfig` and `TierConfig`,
+Exports: `TieredStore` (open, lookup, fetch, put, inspect, delete, flush), its `StoreConfig`, `TierConfig` and
+`RemoteConfig` (the Redis tier),
 `Block` and `BlockLayout`, `BlockKey`, `Namespace` and `chain_keys`, and what inspection returns
 (`PrefixMatch`, `PrefixHit`, `TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never HTTP or
 models.
@@ -9,7 +10,7 @@ models.
 from prefixgate.store.block import Block, BlockLayout
 from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
-from prefixgate.store.tiered_store import PrefixHit, PrefixMatch, StoreConfig, TierConfig, TieredStore
+from prefixgate.store.tiered_store import PrefixHit, PrefixMatch, RemoteConfig, StoreConfig, TierConfig, TieredStore
 
 __all__ = [
     "FORMAT_VERSION",
@@ -20,6 +21,7 @@ __all__ = [
     "Namespace",
     "PrefixHit",
     "PrefixMatch",
+    "RemoteConfig",
     "StoreConfig",
     "Tier",
     "TierConfig",

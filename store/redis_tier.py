@@ -27,12 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import torch
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.retry import Retry
 
@@ -51,7 +52,7 @@ DEFAULT_TTL = 24 * 3600.0
 DEFAULT_SOCKET_TIMEOUT = 0.25
 DEFAULT_WRITE_TIMEOUT = 5.0
 _SECRET_BYTES = 32
-_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
+DEFAULT_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
 _BATCH_OPS = 64  # operations per pipeline
 _BATCH_BYTES = 16 << 20  # tensor bytes per pipeline: each is encoded in memory before it is sent
 _SCAN_COUNT = 1000  # keys per SCAN step, and per UNLINK
@@ -69,7 +70,7 @@ class RedisCounters(TierCounters):
 
 @dataclass(frozen=True, slots=True)
 class RedisStats:
-    """A snapshot of the Redis tier's state and counters; for its number of blocks see `RedisTier.count_entries`."""
+    """A snapshot of the Redis tier's state and counters; for what Redis holds see `RedisTier.usage`."""
 
     name: str
     url: str  # with its password masked
@@ -83,6 +84,16 @@ class RedisStats:
     writes: int
     bytes_written: int
     queued_bytes: int  # tensor bytes waiting for the writer now
+
+
+@dataclass(frozen=True, slots=True)
+class RedisUsage:
+    """What Redis holds, read from it: prefixgate's blocks, of every model and tenant, and its memory."""
+
+    entries: int
+    used_memory: int  # bytes of everything Redis holds, summed over a cluster's primaries
+    maxmemory: int  # its limit; 0: none
+    maxmemory_policy: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,25 +129,25 @@ class RedisTier:
 
     `stats` is cheap and makes no round trip, so it reports no number of blocks: Redis expires and evicts them on
     its own, so no count kept here stays true, and DBSIZE counts every key of the database, not prefixgate's.
-    `count_entries` gives the true number on demand, with a SCAN of the whole database.
+    `usage` gives the true number on demand, with a SCAN of the whole database.
     """
 
     def __init__(
         self,
-        url: str,
+        urls: tuple[str, ...],
         layout: BlockLayout,
         *,
         name: str = "remote",
         ttl: float = DEFAULT_TTL,
         socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
-        queue_bytes: int = _QUEUE_BYTES,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
         backoff: float = 1.0,
         max_backoff: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.url = masked_url(url)
-        if urlsplit(url).scheme not in ("redis", "rediss"):
+        self.url = ", ".join(masked_url(url) for url in urls)
+        if not urls or any(urlsplit(url).scheme not in ("redis", "rediss") for url in urls):
             raise ConfigError(f"a Redis URL starts with redis:// (or rediss:// for TLS), got {self.url!r}")
         if ttl <= 0 or socket_timeout <= 0 or write_timeout <= 0 or backoff <= 0 or max_backoff < backoff:
             raise ConfigError(
@@ -150,10 +161,11 @@ class RedisTier:
         self.counters = RedisCounters()
         self._clock = clock  # in the time base of `Block.created`; also times the backoff
         self._health = _Health(clock, backoff, max_backoff)
+        self._secret: bytes | None = None  # once read: put back if Redis loses it
         # Two clients: lookups wait at most `socket_timeout`, so a dead Redis answers a miss fast; the writer sends
         # whole blocks, which take longer than that on a slow link, and nobody waits for it.
-        self._reader = _client(url, socket_timeout, socket_timeout)
-        self._writer_client = _client(url, socket_timeout, write_timeout)
+        self._reader = _client(urls, socket_timeout, socket_timeout)
+        self._writer_client = _client(urls, socket_timeout, write_timeout)
         self._lock = threading.Lock()
         # Blocks queued and not yet sent hold their tensors (on a GPU, device memory): at most this many.
         self._max_queued = max(1, queue_bytes // layout.nbytes)
@@ -181,27 +193,22 @@ class RedisTier:
         `out[:, :, :, i * block_size : (i + 1) * block_size]` when `out` is given (`[layers, 2, kv_heads, tokens,
         head_dim]`, as `TieredStore.fetch` lends it), so each returned tensor is a view into it. The run ends at the
         first block missing or failing verification; a failing one is deleted from Redis and counted as corrupt.
-        Every key is asked for in the one MGET, so values after a gap travel for nothing: a second round trip per
-        gap would cost more.
+        Every key is asked for at once, so values after a gap travel for nothing: a second round trip per gap would
+        cost more.
         """
         if not keys:
             return []
         size = self.layout.block_size
         if len(tokens) < len(keys) * size or (out is not None and out.shape[3] < len(keys) * size):
             raise RuntimeError(f"get_chain needs tokens, and an out, covering {len(keys)} blocks of {size} tokens")
-        if not self._health.usable():
-            self.counters.add("misses")
-            return []
-        try:
-            values = cast(list[bytes | None], self._reader.mget([_redis_key(key) for key in keys]))
-        except (RedisError, OSError) as error:
-            self._fault(error)
+        values = self._read("get", keys)
+        if values is None:
             self.counters.add("misses")
             return []
         self._answered()
         found: list[RemoteBlock] = []
         for index, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value is None:
+            if not isinstance(value, bytes):  # None: not there; an error reply: its node did not answer
                 break
             span = slice(index * size, (index + 1) * size)
             slot = out[:, :, :, span] if out is not None else None  # slot: [layers, 2, kv_heads, block, head_dim]
@@ -219,21 +226,47 @@ class RedisTier:
             self.counters.add("misses")
         return found
 
-    def count_entries(self) -> int | None:
-        """Return how many prefixgate blocks Redis holds (of every model and tenant), or None when it does not answer.
+    def present(self, keys: Sequence[BlockKey]) -> int:
+        """Return how many leading `keys` Redis holds, asked in one round trip, reading no value.
+
+        Unverified, as a local tier's `contains` is: a lookup's estimate, which `get_chain` confirms.
+        """
+        if not keys:
+            return 0
+        replies = self._read("exists", keys)
+        if replies is None:
+            return 0
+        run = 0
+        while run < len(keys) and replies[run] == 1:
+            run += 1
+        return run
+
+    def usage(self) -> RedisUsage | None:
+        """Return what Redis holds now, or None when it does not answer.
 
         A SCAN of the whole database, as long as the database is big: for an operator's look, not for a dashboard
         that refreshes every second.
         """
         if not self._health.usable():
             return None
+        client = self._writer_client
         try:
-            count = sum(1 for _ in self._writer_client.scan_iter(match=f"{KEY_PREFIX}*", count=_SCAN_COUNT))
+            entries = sum(1 for _ in client.scan_iter(match=f"{KEY_PREFIX}*", count=_SCAN_COUNT))
+            if isinstance(client, RedisCluster):
+                replies = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                memory = list(cast(dict[str, dict[str, Any]], replies).values())
+            else:
+                memory = [client.info("memory")]
         except (RedisError, OSError) as error:
             self._fault(error)
             return None
         self._answered()
-        return count
+        return RedisUsage(
+            entries=entries,
+            used_memory=sum(int(node["used_memory"]) for node in memory),
+            maxmemory=sum(int(node["maxmemory"]) for node in memory),
+            maxmemory_policy=str(memory[0]["maxmemory_policy"]),
+        )
 
     def load_or_create_secret(self) -> bytes:
         """Return the deployment secret kept in Redis, creating it once, so every replica keys blocks alike.
@@ -255,7 +288,27 @@ class RedisTier:
                 f"{SECRET_KEY!r} in Redis at {self.url} is damaged ({length} bytes, expected {_SECRET_BYTES}); "
                 "delete it to reset (every replica then keys its blocks anew)"
             )
+        self._secret = secret
         return secret
+
+    def _read(self, command: str, keys: Sequence[BlockKey]) -> list[object] | None:
+        """Send `command` for each key in one pipeline; return the replies, or None when Redis does not answer.
+
+        One command per key, not one MGET: on a cluster the keys hash to different slots, and a pipeline sends each
+        node its share at once, so a chain still costs one round trip.
+        """
+        if not self._health.usable():
+            return None
+        pipe = self._reader.pipeline(transaction=False)
+        for key in keys:
+            getattr(pipe, command)(_redis_key(key))
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            return None
+        self._answered()
+        return cast(list[object], replies)
 
     # -- writing ------------------------------------------------------------------------------------------------
 
@@ -380,8 +433,9 @@ class RedisTier:
         sizes: list[int | None] = []  # per command sent: a put's encoded bytes, None for a delete
         for op in ops:
             if isinstance(op, _Delete):
-                pipe.unlink(*(_redis_key(key) for key in op.keys))
-                sizes.append(None)
+                for key in op.keys:  # one command a key: on a cluster, each may live on another node
+                    pipe.unlink(_redis_key(key))
+                    sizes.append(None)
                 continue
             lifetime = self._lifetime_ms(op.block.created, op.ttl)
             if lifetime is None:
@@ -438,13 +492,34 @@ class RedisTier:
                 error,
                 delay,
             )
-        # Idle connections are likely dead too (a restarted Redis closed them all): the next try opens new ones.
+        # Idle connections are likely dead too (a restarted Redis closed them all): the next try opens new ones. A
+        # cluster client finds its nodes again on its own.
         for client in (self._reader, self._writer_client):
-            client.connection_pool.disconnect(inuse_connections=False)
+            if isinstance(client, redis.Redis):
+                client.connection_pool.disconnect(inuse_connections=False)
 
     def _answered(self) -> None:
         if self._health.succeeded():
             log.info("Redis at %s answers again", self.url)
+            self._restore_secret()
+
+    def _restore_secret(self) -> None:
+        """Put the shared secret back when Redis lost it (restarted without persistence), so replicas started from
+        now on key blocks as this one does."""
+        if self._secret is None:
+            return
+        try:
+            self._writer_client.set(SECRET_KEY, self._secret, nx=True)
+            held = self._writer_client.get(SECRET_KEY)
+        except (RedisError, OSError) as error:
+            log.warning("could not check the shared secret in Redis at %s: %s", self.url, error)
+            return
+        if held != self._secret:
+            log.error(
+                "Redis at %s holds another shared secret than this replica's: replicas that read it key blocks apart "
+                "from this one, and share nothing with it; restart this replica to share with them",
+                self.url,
+            )
 
 
 def masked_url(url: str) -> str:
@@ -465,19 +540,33 @@ def _redis_key(key: BlockKey) -> str:
     return f"{KEY_PREFIX}{key.hex()}"
 
 
-def _client(url: str, connect_timeout: float, timeout: float) -> redis.Redis:
+def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> redis.Redis | RedisCluster:
+    """Return a client of one Redis, or of a Redis Cluster when `urls` names several of its nodes.
+
+    A plain client connects when first used; a cluster client at once, to learn which node holds which slots.
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": connect_timeout,
+        # One try per call: the tier's own backoff decides when to try again. redis-py's default (three more tries
+        # with backoff, since 6.0) would turn one lookup against a dead Redis into seconds.
+        "retry": Retry(NoBackoff(), 0),
+        "client_name": "prefixgate",
+    }
+    shown = ", ".join(masked_url(url) for url in urls)
     try:
-        return redis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=connect_timeout,
-            # One try per call: the tier's own backoff decides when to try again. redis-py's default (three more
-            # tries with backoff, since 6.0) would turn one lookup against a dead Redis into seconds.
-            retry=Retry(NoBackoff(), 0),
-            client_name="prefixgate",
-        )
+        if len(urls) == 1:
+            return redis.Redis.from_url(urls[0], **options)
+        # Credentials, TLS and options come from the first URL and apply to every node; the others add addresses.
+        nodes = [
+            ClusterNode(parts.hostname, parts.port or 6379)  # type: ignore[no-untyped-call]
+            for parts in map(urlsplit, urls[1:])
+        ]
+        return RedisCluster.from_url(urls[0], startup_nodes=nodes, **options)
     except ValueError as error:  # a malformed port, database number or query option
-        raise ConfigError(f"bad Redis URL {masked_url(url)!r}: {error}") from error
+        raise ConfigError(f"bad Redis URL in {shown!r}: {error}") from error
+    except (RedisError, OSError) as error:
+        raise StoreError(f"cannot reach the Redis Cluster at {shown} ({error}); check that it runs") from error
 
 
 class _Health:

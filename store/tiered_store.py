@@ -18,6 +18,15 @@ from prefixgate.store.block import Block, BlockLayout
 from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
+from prefixgate.store.redis_tier import (
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_SOCKET_TIMEOUT,
+    DEFAULT_TTL,
+    RedisStats,
+    RedisTier,
+    RedisUsage,
+    RemoteBlock,
+)
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
 
 DISK_FOLDER = "blocks.lmdb"
@@ -35,12 +44,23 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """Where the remote tier is (one Redis URL, or several nodes of one Redis Cluster) and how it behaves."""
+
+    urls: tuple[str, ...]
+    ttl: float = DEFAULT_TTL  # seconds each block lives in Redis
+    timeout: float = DEFAULT_SOCKET_TIMEOUT  # seconds a lookup waits for Redis before it answers a miss
+    queue_bytes: int = DEFAULT_QUEUE_BYTES  # blocks waiting for the writer; a put beyond it is dropped
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """The budgets and policies of the three tiers."""
+    """The budgets and policies of the three local tiers, and the remote tier below them, if any."""
 
     device: TierConfig
     host: TierConfig
     disk: TierConfig
+    remote: RemoteConfig | None = None
 
     @classmethod
     def defaults(cls, device: torch.device) -> StoreConfig:
@@ -80,11 +100,14 @@ class PrefixHit(PrefixMatch):
 
 
 class TieredStore:
-    """Blocks in tiers, top to bottom: device, host, disk. Thread-safe; never call it on an event loop.
+    """Blocks in tiers, top to bottom: device, host, disk, and the remote tier. Thread-safe; never call it on an event
+    loop.
 
     Movement: inserts go to the top tier that can hold the whole set and are written through to the
-    persistent tier; eviction from a tier demotes to the next one down; a hit below the top is promoted to the
-    top. Memory tiers hold a block at most once between them; the persistent tier holds everything.
+    persistent tier and the remote one; eviction from a tier demotes to the next one down; a hit below the top is
+    promoted to the top. Memory tiers hold a block at most once between them; the persistent tier holds what they
+    hold and more. The remote tier (Redis, shared with other replicas) is asked after the local ones, for the rest
+    of the chain in one round trip; it evicts and expires on its own.
     """
 
     def __init__(
@@ -92,6 +115,7 @@ class TieredStore:
         tiers: Sequence[Tier],
         *,
         secret: bytes,
+        remote: RedisTier | None = None,
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -109,6 +133,9 @@ class TieredStore:
         persistent = [tier for tier in tiers if tier.persistent]
         assert len(persistent) <= 1 and (not persistent or persistent[0] is tiers[-1]), "disk goes last"
         self._disk = persistent[0] if persistent else None
+        self.remote = remote
+        if remote is not None and remote.layout != self.layout:
+            raise RuntimeError(f"the remote tier holds {remote.layout} blocks, the store {self.layout}")
 
     @classmethod
     def open(
@@ -140,15 +167,35 @@ class TieredStore:
                         pin_memory=pins_pool(tier_device, device),
                     )
                 )
-        if folder is not None and config.disk.capacity_bytes > 0:
-            secret = load_or_create_secret(folder)
-            disk_policy = _policy(config.disk, clock)
-            tiers.append(LMDBTier(folder / DISK_FOLDER, layout, config.disk.capacity_bytes, disk_policy, clock=clock))
-        else:
-            secret = os.urandom(32)  # nothing outlives the process, so neither does the secret
-        if not tiers:
+        disk = folder is not None and config.disk.capacity_bytes > 0
+        if not tiers and not disk:
             raise StoreError("every tier has a zero budget; give at least one tier some bytes")
-        return cls(tiers, secret=secret, device=device, clock=clock)
+        remote = _open_remote(config.remote, layout, clock)
+        try:
+            if remote is not None:
+                # Shared by every replica on this Redis, so all of them key a prompt's blocks alike.
+                secret = remote.load_or_create_secret()
+            elif disk:
+                assert folder is not None
+                secret = load_or_create_secret(folder)
+            else:
+                secret = os.urandom(32)  # nothing outlives the process, so neither does the secret
+            if disk:
+                assert folder is not None
+                disk_policy = _policy(config.disk, clock)
+                tiers.append(
+                    LMDBTier(folder / DISK_FOLDER, layout, config.disk.capacity_bytes, disk_policy, clock=clock)
+                )
+        except BaseException:
+            if remote is not None:
+                remote.close()
+            raise
+        return cls(tiers, secret=secret, remote=remote, device=device, clock=clock)
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """Return the names of every tier, top first, the remote tier last."""
+        return tuple(tier.name for tier in self.tiers) + ((self.remote.name,) if self.remote is not None else ())
 
     # -- keys and lookups ---------------------------------------------------------------------------------------
 
@@ -173,6 +220,8 @@ class TieredStore:
             if tier is None:
                 break
             tiers.append(tier.name)
+        if self.remote is not None and len(tiers) < len(keys):
+            tiers += [self.remote.name] * self.remote.present(keys[len(tiers) :])
         return PrefixMatch(keys, tuple(tiers), self.layout.block_size)
 
     def fetch(self, namespace: Namespace, tokens: Sequence[int], out: torch.Tensor | None = None) -> PrefixHit:
@@ -201,6 +250,12 @@ class TieredStore:
                 break
             blocks.append(found[0])
             tiers.append(found[1].name)
+        if self.remote is not None and len(blocks) < len(keys):
+            start = len(blocks)
+            remote = self.remote.get_chain(keys[start:], tokens[start * size :], out[:, :, :, start * size :])
+            self._promote_remote(remote)
+            blocks += [found.block for found in remote]
+            tiers += [self.remote.name] * len(remote)
         return PrefixHit(keys, tuple(tiers), size, tuple(blocks))
 
     def _check_out(self, out: torch.Tensor, tokens: int) -> None:
@@ -250,6 +305,8 @@ class TieredStore:
                     self._insert(top, block, pinned, ttl)
                 if self._disk is not None and (where is None or changes_attrs):
                     self._insert(len(self.tiers) - 1, block, pinned, ttl)
+                if self.remote is not None and (where is None or changes_attrs):
+                    self.remote.put(block, pinned=pinned, ttl=ttl)
         return added
 
     def pin(self, key: BlockKey, pinned: bool = True) -> bool:
@@ -263,6 +320,14 @@ class TieredStore:
         """Return each tier's occupancy and counters, top tier first."""
         with self._lock:
             return [tier.stats() for tier in self.tiers]
+
+    def remote_stats(self) -> RedisStats | None:
+        """Return the remote tier's state and counters, without a round trip; None when there is no remote tier."""
+        return None if self.remote is None else self.remote.stats()
+
+    def remote_usage(self) -> RedisUsage | None:
+        """Return what the remote Redis holds (a SCAN of it: for an operator's look); None without a remote tier."""
+        return None if self.remote is None else self.remote.usage()
 
     def entries(self, *, tier: str | None = None, tenant: str | None = None) -> list[EntryInfo]:
         """Return every cached block, optionally only those in one tier or of one tenant.
@@ -310,12 +375,22 @@ class TieredStore:
                     for child in children.pop(frontier.pop(), ()):
                         doomed.add(child)
                         frontier.append(child)
+            if self.remote is not None:
+                self.remote.remove(list(doomed))
             return sum(tier.remove(k) for k in doomed for tier in self.tiers)
 
     def flush(self, tier: str | None = None) -> int:
-        """Drop every block of one tier, or of all tiers; return how many entries were dropped."""
+        """Drop every block of one tier, or of all tiers; return how many entries were dropped.
+
+        The remote tier is shared: flushing it drops every replica's blocks there, of every model and tenant.
+        """
+        remote = self.remote if self.remote is not None and tier in (None, self.remote.name) else None
+        local = () if remote is not None and tier is not None else self._tiers_named(tier)
         with self._lock:
-            return sum(t.clear() for t in self._tiers_named(tier))
+            dropped = sum(t.clear() for t in local)
+        if remote is not None:
+            dropped += remote.clear()  # outside the lock: a SCAN of the whole Redis
+        return dropped
 
     def expire(self) -> int:
         """Drop every block whose time is up, tier by tier; return how many were dropped."""
@@ -328,16 +403,20 @@ class TieredStore:
                     dropped += 1
         return dropped
 
-    def wait_for_disk(self) -> None:
-        """Block until every block written through so far is on disk."""
+    def wait_for_writes(self) -> None:
+        """Block until every block written through so far is on disk and sent to the remote tier."""
         if isinstance(self._disk, LMDBTier):
             self._disk.flush()
+        if self.remote is not None:
+            self.remote.flush()
 
     def close(self) -> None:
-        """Finish pending disk writes and release every tier."""
+        """Finish pending writes and release every tier."""
         with self._lock:
             for tier in self.tiers:
                 tier.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -403,6 +482,21 @@ class TieredStore:
                 self._demote(level, victim)
         return tier.put(block, pinned=pinned, ttl=ttl)
 
+    def _promote_remote(self, found: Sequence[RemoteBlock]) -> None:
+        """Keep blocks read from the remote tier in the top local tier, as a disk hit is kept."""
+        top = self.tiers[0]
+        promoted = 0
+        with self._lock:
+            for tier in self.tiers:  # each local tier missed these blocks too; the first miss is counted already
+                tier.counters.add("misses", max(0, len(found) - 1))
+            for remote in found:
+                block = remote.block
+                if top.persistent:  # the tensor is a view into the caller's buffer, and the disk writer encodes later
+                    block = replace(block, kv=block.kv.clone())
+                promoted += self._insert(0, block, remote.pinned, remote.ttl)
+        assert self.remote is not None
+        self.remote.counters.add("promotions", promoted)
+
     def _demote(self, level: int, key: BlockKey) -> None:
         tier = self.tiers[level]
         block, attrs = tier.peek(key), tier.attrs(key)
@@ -428,7 +522,7 @@ class TieredStore:
             return self.tiers
         chosen = tuple(tier for tier in self.tiers if tier.name == name)
         if not chosen:
-            names = ", ".join(tier.name for tier in self.tiers)
+            names = ", ".join(self.tier_names)
             raise StoreError(f"no tier named {name!r}; this store has: {names}")
         return chosen
 
@@ -438,6 +532,19 @@ class TieredStore:
                 f"namespace is for {namespace.block_shape} {namespace.dtype} blocks, "
                 f"but this store holds {self.layout.shape} {self.layout.dtype_name}"
             )
+
+
+def _open_remote(config: RemoteConfig | None, layout: BlockLayout, clock: Callable[[], float]) -> RedisTier | None:
+    if config is None:
+        return None
+    return RedisTier(
+        config.urls,
+        layout,
+        ttl=config.ttl,
+        socket_timeout=config.timeout,
+        queue_bytes=config.queue_bytes,
+        clock=clock,
+    )
 
 
 def _policy(config: TierConfig, clock: Callable[[], float]) -> Policy:

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +11,7 @@ import openai
 import pytest
 
 from tests.proxy.conftest import metric_families, sample
+from tests.services import Server
 
 pytestmark = pytest.mark.smollm2
 
@@ -24,47 +20,6 @@ MANUAL = "You are the support assistant for the Acme 3000 espresso machine. Answ
     f"Section {i}: step {i} of the cleaning routine uses {i * 10} ml of water at {60 + i % 30} degrees."
     for i in range(1, 61)
 )
-
-
-class Server:
-    """A `prefixgate serve` process on a free local port."""
-
-    def __init__(self, store: Path, *flags: str) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--port", str(self.port)]
-        env = {key: value for key, value in os.environ.items() if not key.startswith("PREFIXGATE_")}
-        self.process = subprocess.Popen(
-            [*command, "--store", str(store), *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 180  # the first start on a machine converts the model (~30 s)
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.25)
-        raise AssertionError(f"the server did not start:\n{self.output()}")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def metrics(self) -> str:
-        return urllib.request.urlopen(f"{self.url}/metrics").read().decode()
-
-    def stop(self) -> None:
-        """Stop as an operator would (Ctrl-C): the app closes the store, finishing its disk writes."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            self.process.wait(timeout=60)
-
-    def output(self) -> str:
-        self.stop()
-        assert self.process.stdout is not None
-        return self.process.stdout.read().decode(errors="replace")
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ def test_blocks_keep_their_values_through_fetches_promotions_and_demotions_on_a_
         assert store.fetch(NS, PROMPT, again).cached_tokens == 20  # blocks that went GPU to host and back
         assert_holds(again, blocks)
 
-        store.wait_for_disk()
+        store.wait_for_writes()
         store.flush("device")
         store.flush("host")
         from_disk = gpu_buffer()

@@ -172,7 +172,7 @@ while True:
     store.put(make_blocks(store, [round] * 4 + list(range(64))))
     round += 1
     if round == 20:
-        store.wait_for_disk()
+        store.wait_for_writes()
         print("20 rounds on disk", flush=True)
     if round == 40:
         print("writing", flush=True)  # rounds 20 to 40 are queued: the writer thread is committing them

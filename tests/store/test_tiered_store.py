@@ -91,7 +91,7 @@ def test_a_whole_prompt_hit_leaves_its_last_token_to_compute(open_store: StoreFa
 def test_inserts_go_to_the_top_tier_and_through_to_disk(open_store: StoreFactory) -> None:
     store = open_store()
     store.put(make_blocks(store, PROMPT))
-    store.wait_for_disk()
+    store.wait_for_writes()
     host, disk = store.stats()
     assert (host.name, host.entries, disk.name, disk.entries) == ("host", 6, "disk", 6)
     assert set(store.lookup(NS, PROMPT + [0]).tiers) == {"host"}
@@ -125,7 +125,7 @@ def test_a_hit_below_the_top_is_promoted_to_the_top(open_store: StoreFactory) ->
 def test_a_set_too_big_for_a_tier_skips_it(open_store: StoreFactory) -> None:
     store = open_store(config(host=4 * BLOCK))
     store.put(make_blocks(store, PROMPT))  # 6 blocks > 4 slots
-    store.wait_for_disk()
+    store.wait_for_writes()
     host, disk = store.stats()
     assert (host.entries, disk.entries) == (0, 6)
 
@@ -287,7 +287,7 @@ def test_reading_a_block_moves_and_counts_nothing_in_any_tier(open_store: StoreF
     blocks = make_blocks(store, PROMPT)
     for block in blocks[:5]:
         store.put([block])
-    store.wait_for_disk()
+    store.wait_for_writes()
     assert tiers_of(store) == ("disk", "host", "host", "device", "device")
 
     def state() -> object:
@@ -310,7 +310,7 @@ def test_a_disk_writer_too_far_behind_drops_write_throughs_keeps_them_in_memory_
         blocks = make_blocks(store, PROMPT)
         with disk._env.begin(write=True):  # holds LMDB's write lock: the disk writer cannot commit yet
             assert store.put(blocks[:4]) == 4
-        store.wait_for_disk()
+        store.wait_for_writes()
         assert [(stats.name, stats.entries, stats.dropped_writes) for stats in store.stats()] == [
             ("host", 4, 0),
             ("disk", 2, 2),
@@ -420,7 +420,7 @@ async def test_concurrent_tasks_and_threads_see_consistent_blocks(open_store: St
     for thread in threads:
         thread.join()
     assert failures == []
-    store.wait_for_disk()
+    store.wait_for_writes()
     for prompt in prompts:
         assert store.lookup(NS, prompt + [0]).cached_tokens == 24
     device, host, disk = store.stats()
@@ -438,7 +438,7 @@ def test_the_store_folder_secret_and_lmdb_files_are_their_owners_alone(
 ) -> None:
     folder = tmp_path / "store"
     store = open_store(folder=folder)
-    store.wait_for_disk()
+    store.wait_for_writes()
     modes = {path.relative_to(folder).as_posix(): path.stat().st_mode & 0o777 for path in [folder, *folder.rglob("*")]}
     assert modes.pop(".") == 0o700
     assert modes.pop("secret") == 0o600

@@ -7,6 +7,9 @@ prefix length it measures, in one run:
 - warm from each tier: the prefix's blocks fetched from a store holding them only in that tier (device, host or
   disk; on a machine without a GPU the device tier is a pool in CPU memory, and disk reads come from the page
   cache) into the buffer the request reserved, as the engine does, then only the question computed;
+- warm from Redis (with `--remote URL`): the same from a store whose blocks are only in Redis, fetched in one
+  round trip and kept in the host tier as the engine keeps them; the table shows the round trips each fetch made,
+  as Redis counts them (its `total_reads_processed`);
 - ideal: the prefix's K and V kept in a KV buffer and the question computed after it in a packed step, no store and
   no admission: the floor for any cache.
 """
@@ -23,11 +26,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import redis
 import torch
 
 from prefixgate.backends import HFBackend, KVReservation, SamplingParams
 from prefixgate.backends.model_runner import ModelRunner, StepInput
-from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
+from prefixgate.store import (
+    Block,
+    BlockLayout,
+    Namespace,
+    RemoteConfig,
+    StoreConfig,
+    TierConfig,
+    TieredStore,
+    chain_keys,
+)
 
 QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
@@ -60,13 +73,25 @@ async def first_token_seconds(
     return seconds
 
 
-def open_store(tier: str, folder: Path, layout: BlockLayout, nbytes: int, device: torch.device) -> TieredStore:
-    budgets = {name: (nbytes if name == tier else 0) for name in TIERS}
-    config = StoreConfig(TierConfig(budgets["device"]), TierConfig(budgets["host"]), TierConfig(budgets["disk"]))
+def open_store(
+    tier: str, folder: Path, layout: BlockLayout, nbytes: int, device: torch.device, remote: str | None = None
+) -> TieredStore:
+    """Return a store whose only tier is `tier`; for "remote", Redis below a host tier that blocks are promoted into."""
+    local = "host" if tier == "remote" else tier
+    budgets = {name: (nbytes if name == local else 0) for name in TIERS}
+    config = StoreConfig(
+        TierConfig(budgets["device"]),
+        TierConfig(budgets["host"]),
+        TierConfig(budgets["disk"]),
+        # The writer may hold the whole prefix: the benchmark waits for it, and a request would not.
+        remote=RemoteConfig((remote,), queue_bytes=2 * nbytes) if tier == "remote" and remote is not None else None,
+    )
     return TieredStore.open(folder / tier, layout, config, device=device)
 
 
-async def measure(backend: HFBackend, length: int, question: list[int], repeats: int) -> dict[str, float]:
+async def measure(
+    backend: HFBackend, length: int, question: list[int], repeats: int, remote: str | None
+) -> dict[str, float]:
     prefix = document_tokens(backend, length)
     tokens = prefix + question
     geometry = backend.geometry
@@ -87,12 +112,13 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
     size = geometry.block_size
     count = length // size
     ideal = IdealCache(backend, prefix, len(question))
-    samples: dict[str, list[float]] = {name: [] for name in (*TIERS, "ideal")}
+    tiers = (*TIERS, "remote") if remote is not None else TIERS
+    samples: dict[str, list[float]] = {name: [] for name in (*tiers, "ideal", "round trips")}
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         stores = {}
-        for tier in TIERS:
+        for tier in tiers:
             store = stores[tier] = stack.enter_context(
-                open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes, backend.device)
+                open_store(tier, Path(folder), layout, (count + 1) * layout.nbytes, backend.device, remote)
             )
             keys = chain_keys(store.seed(namespace), tokens, size)
             parents = [None, *keys]
@@ -100,18 +126,35 @@ async def measure(backend: HFBackend, length: int, question: list[int], repeats:
                 [Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i]) for i in range(count)]
             )
             store.wait_for_writes()
+            if tier == "remote":
+                store.flush("host")  # in Redis only
+        server = redis.Redis.from_url(remote) if remote is not None else None
         # Rounds of one run each, interleaved, so the machine's slow moments fall on every column alike.
         for _ in range(repeats):
             for tier, store in stores.items():
+                reads = _reads(server) if tier == "remote" else 0
                 start = time.perf_counter()
                 reservation = await backend.reserve(len(tokens), FIRST_TOKEN.max_tokens)
                 hit = await asyncio.to_thread(store.fetch, namespace, tokens, reservation.buffer)
                 assert hit.tiers == (tier,) * count, hit.tiers
                 await first_token_seconds(backend, tokens, [block.kv for block in hit.blocks], reservation)
                 samples[tier].append(time.perf_counter() - start)
+                if tier == "remote":
+                    samples["round trips"].append(_reads(server) - reads - 1)  # the second INFO reads itself
+                    store.flush("host")  # promoted by the fetch: the next round reads Redis again
             samples["ideal"].append(await asyncio.to_thread(ideal.first_token_seconds, question))
-    times.update({name: statistics.median(values) for name, values in samples.items()})
+    times.update({name: statistics.median(values) for name, values in samples.items() if values})
+    if remote is not None:
+        assert server is not None
+        stores["remote"].flush("remote")
+        server.close()
     return times
+
+
+def _reads(server: redis.Redis | None) -> int:
+    """Return how many times Redis has read from a client since it started (each request a round trip)."""
+    assert server is not None
+    return int(server.info("stats")["total_reads_processed"])
 
 
 class IdealCache:
@@ -142,6 +185,7 @@ async def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8128])
     parser.add_argument("--repeats", type=int, default=9, help="warm and ideal runs per cell (median)")
     parser.add_argument("--json", type=Path, help="also write the medians, in seconds, to this file")
+    parser.add_argument("--remote", metavar="URL", help="add a column warm from this Redis (its blocks are deleted)")
     args = parser.parse_args()
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
     try:
@@ -154,19 +198,23 @@ async def main() -> None:
             f"blocks of {backend.geometry.block_size} tokens; prompt = prefix + 32-token question; "
             f"median of {args.repeats} warm runs"
         )
-        header = ["prefix", "cold", *(f"warm {t}" for t in TIERS), "ideal", "cold/warm host", "warm host/ideal"]
+        tiers = (*TIERS, "remote") if args.remote is not None else TIERS
+        header = ["prefix", "cold", *(f"warm {t}" for t in tiers), "ideal", "cold/warm host", "warm host/ideal"]
+        if args.remote is not None:
+            header += ["remote/host", "round trips"]
         rows = []
         measured: dict[int, dict[str, float]] = {}
         for length in args.lengths:
-            t = measured[length] = await measure(backend, length, question, args.repeats)
-            rows.append(
-                [
-                    str(length),
-                    *(f"{t[name] * 1e3:.0f} ms" for name in ("cold", *TIERS, "ideal")),
-                    f"{t['cold'] / t['host']:.1f}x",
-                    f"{t['host'] / t['ideal']:.2f}x",
-                ]
-            )
+            t = measured[length] = await measure(backend, length, question, args.repeats, args.remote)
+            row = [
+                str(length),
+                *(f"{t[name] * 1e3:.0f} ms" for name in ("cold", *tiers, "ideal")),
+                f"{t['cold'] / t['host']:.1f}x",
+                f"{t['host'] / t['ideal']:.2f}x",
+            ]
+            if args.remote is not None:
+                row += [f"{t['remote'] / t['host']:.2f}x", f"{t['round trips']:g}"]
+            rows.append(row)
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, ["-" * w for w in widths], *rows]:
             print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))

@@ -40,6 +40,7 @@ from prefixgate.proxy.dashboard import dashboard
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.explain import explanation_body
 from prefixgate.store import Block, BlockKey, EntryInfo, TieredStore, TierStats
+from prefixgate.store.redis_tier import RedisStats, RedisUsage
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,10 @@ async def cache(request: web.Request) -> web.Response:
     """GET /admin/cache: totals, each tier and each tenant."""
     params.query(request)
     engine = request.config_dict[ENGINE]
-    tiers, found = await asyncio.to_thread(_inventory, engine.store)
+    tiers, found, remote = await asyncio.to_thread(_inventory, engine.store)
     _audit(request, "cache")
     block_size = engine.backend.geometry.block_size
-    return web.json_response(cache_report(tiers, engine.stats.snapshot(), found, block_size))
+    return web.json_response(cache_report(tiers, engine.stats.snapshot(), found, block_size, remote))
 
 
 async def entries(request: web.Request) -> web.Response:
@@ -162,7 +163,7 @@ async def flush(request: web.Request) -> web.Response:
     engine = request.config_dict[ENGINE]
     if body.tier is not None and body.tenant is not None:
         raise RequestError("send tier or tenant, not both: a tenant's blocks are dropped from every tier")
-    tier = params.tier_name(body.tier, _tier_names(engine))
+    tier = params.tier_name(body.tier, engine.store.tier_names)  # the remote tier too
     # Blocks of requests that have already answered are flushed too, not stored just after.
     await engine.wait_for_blocks()
     if body.tenant is not None:
@@ -279,8 +280,11 @@ def _not_found(message: str) -> web.Response:
 # -- store work, run in a worker thread ---------------------------------------------------------------------------
 
 
-def _inventory(store: TieredStore) -> tuple[list[TierStats], list[EntryInfo]]:
-    return store.stats(), store.entries()
+def _inventory(
+    store: TieredStore,
+) -> tuple[list[TierStats], list[EntryInfo], tuple[RedisStats, RedisUsage | None] | None]:
+    remote = store.remote_stats()
+    return store.stats(), store.entries(), None if remote is None else (remote, store.remote_usage())
 
 
 def _read(store: TieredStore, key: BlockKey) -> tuple[list[EntryInfo], Block | None]:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
@@ -29,7 +30,7 @@ from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
-from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from prefixgate.store import BlockLayout, RemoteConfig, StoreConfig, TierConfig, TieredStore
 from prefixgate.threads import use_threads
 
 log = logging.getLogger(__name__)
@@ -64,20 +65,12 @@ async def build_engine(settings: Settings) -> Engine:
         kv_buffer_budget=int(settings.kv_buffer_budget),
     )
     geometry = backend.geometry
-    defaults = StoreConfig.defaults(backend.device)
-    device_bytes = defaults.device.capacity_bytes if settings.device_budget is None else int(settings.device_budget)
-    policy = {"policy": settings.policy, "ttl": settings.ttl, "idle_ttl": settings.idle_ttl}
-    config = StoreConfig(
-        device=TierConfig(device_bytes, **policy),  # type: ignore[arg-type]
-        host=TierConfig(int(settings.host_budget), **policy),  # type: ignore[arg-type]
-        disk=TierConfig(int(settings.disk_budget), **policy),  # type: ignore[arg-type]
-    )
     try:
         store = await asyncio.to_thread(
             TieredStore.open,
             settings.store,
             BlockLayout(geometry.block_shape, geometry.dtype),
-            config,
+            store_config(settings, backend.device),
             device=backend.device,
         )
     except BaseException:
@@ -89,6 +82,29 @@ async def build_engine(settings: Settings) -> Engine:
         else DEFAULT_PATTERNS
     )
     return Engine(backend, store, patterns=patterns, layout=settings.layout)
+
+
+def store_config(settings: Settings, device: torch.device) -> StoreConfig:
+    """Return the store's tiers as the settings give them, for a model on `device`."""
+    defaults = StoreConfig.defaults(device)
+    device_bytes = defaults.device.capacity_bytes if settings.device_budget is None else int(settings.device_budget)
+    policy = {"policy": settings.policy, "ttl": settings.ttl, "idle_ttl": settings.idle_ttl}
+    remote = (
+        RemoteConfig(
+            tuple(settings.remote),
+            ttl=settings.remote_ttl,
+            timeout=settings.remote_timeout,
+            queue_bytes=int(settings.remote_queue_budget),
+        )
+        if settings.remote
+        else None
+    )
+    return StoreConfig(
+        device=TierConfig(device_bytes, **policy),  # type: ignore[arg-type]
+        host=TierConfig(int(settings.host_budget), **policy),  # type: ignore[arg-type]
+        disk=TierConfig(int(settings.disk_budget), **policy),  # type: ignore[arg-type]
+        remote=remote,
+    )
 
 
 def create_app(settings: Settings, engine_factory: EngineFactory = build_engine) -> web.Application:
@@ -171,7 +187,8 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health."""
+    """GET /health: "ok"; "degraded" while the remote tier does not answer (requests go on without it); 503
+    "unavailable" once the model has stopped."""
     engine = request.app[ENGINE]
     body: dict[str, Any] = {
         "status": "ok",
@@ -181,6 +198,12 @@ async def health(request: web.Request) -> web.Response:
     problem = engine.backend.problem()
     if problem is not None:
         return web.json_response(body | {"status": "unavailable", "problem": problem}, status=503)
+    remote = engine.store.remote
+    if remote is not None:
+        available = await asyncio.to_thread(remote.check)
+        body["remote"] = {"url": remote.url, "available": available}
+        if not available:  # requests are still served, from the local tiers and the model
+            body["status"] = "degraded"
     return web.json_response(body)
 
 
@@ -281,6 +304,7 @@ def _metrics_registry(engine: Engine, settings: Settings) -> CollectorRegistry:
         engine.store.stats,
         engine.backend.admission,
         model_name=engine.backend.model_id,
+        remote=engine.store.remote_stats,
         tenants=settings.metrics_tenants,
     )
     registry.register(collector)

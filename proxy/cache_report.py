@@ -15,6 +15,7 @@ from typing import Any
 
 from prefixgate.proxy.statistics import EngineStatsSnapshot, TenantStats
 from prefixgate.store import BlockKey, EntryInfo, TierStats
+from prefixgate.store.redis_tier import RedisStats, RedisUsage
 
 _EVENTS = ("evictions", "expirations", "promotions", "demotions", "corrupt", "dropped_writes")
 
@@ -32,9 +33,16 @@ class Prefix:
 
 
 def cache_report(
-    tiers: Sequence[TierStats], stats: EngineStatsSnapshot, entries: Sequence[EntryInfo], block_size: int
+    tiers: Sequence[TierStats],
+    stats: EngineStatsSnapshot,
+    entries: Sequence[EntryInfo],
+    block_size: int,
+    remote: tuple[RedisStats, RedisUsage | None] | None = None,
 ) -> dict[str, Any]:
-    """Return the `/admin/cache` body: totals, each tier, and each tenant."""
+    """Return the `/admin/cache` body: totals, each local tier, the remote tier, and each tenant.
+
+    Totals and tenants count what this server holds; the remote tier is shared, and reported beside them.
+    """
     blocks = _blocks(entries)
     totals = {
         # A block held by two tiers (written through to disk, say) is one entry of its bytes; `stored_bytes` counts
@@ -52,6 +60,7 @@ def cache_report(
         "block_size": block_size,
         "totals": totals,
         "tiers": [_tier(tier, stats, block_size) for tier in tiers],
+        "remote": None if remote is None else _remote(*remote, stats, block_size),
         "tenants": _tenants(stats.tenants, entries),
     }
 
@@ -118,6 +127,33 @@ def _tier(tier: TierStats, stats: EngineStatsSnapshot, block_size: int) -> dict[
         "miss_tokens": tier.misses * block_size,
         "tokens_saved": stats.cached_tokens.get(tier.name, 0),
         **{event: getattr(tier, event) for event in _EVENTS},
+    }
+
+
+def _remote(tier: RedisStats, usage: RedisUsage | None, stats: EngineStatsSnapshot, block_size: int) -> dict[str, Any]:
+    """The remote tier: its counters on this server, and what Redis holds (None where Redis did not answer)."""
+    held = {
+        "entries": usage.entries if usage is not None else None,  # every replica's blocks, of every model and tenant
+        "used_memory": usage.used_memory if usage is not None else None,
+        "maxmemory": usage.maxmemory if usage is not None else None,
+        "maxmemory_policy": usage.maxmemory_policy if usage is not None else None,
+    }
+    return {
+        "name": tier.name,
+        "url": tier.url,
+        "available": tier.available,
+        **held,
+        "hits": tier.hits,
+        "misses": tier.misses,
+        "hit_tokens": tier.hits * block_size,
+        "tokens_saved": stats.cached_tokens.get(tier.name, 0),
+        "errors": tier.errors,
+        "writes": tier.writes,
+        "written_bytes": tier.written_bytes,
+        "queued_bytes": tier.queued_bytes,
+        "promotions": tier.promotions,
+        "corrupt": tier.corrupt,
+        "dropped_writes": tier.dropped_writes,
     }
 
 

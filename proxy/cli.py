@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
             flag, metavar = _MAP_FLAGS[name]
             help_text += f"; repeat {flag} for more"
             serve.add_argument(flag, dest=name, action="append", metavar=metavar, help=help_text)
+        elif name == "remote":
+            help_text += "; repeat --remote for each node of a Redis Cluster"
+            serve.add_argument("--remote", dest=name, action="append", metavar="URL", help=help_text)
         elif field.annotation is bool:
             serve.add_argument(
                 f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, help=help_text
@@ -111,6 +114,9 @@ def _banner(app: web.Application, settings: Settings) -> str:
     tiers = ", ".join(f"{tier.name} {_show(ByteSize(tier.capacity_bytes))}" for tier in app[ENGINE].store.tiers)
     where = f"in {settings.store}" if settings.store is not None else "in memory only (nothing persists)"
     lines = [f"prefixgate {__version__} serving {settings.model} on {url}/v1", f"  store {where}: {tiers}"]
+    remote = app[ENGINE].store.remote
+    if remote is not None:
+        lines.append(f"  remote tier: Redis at {remote.url}, blocks live {remote.ttl:g} s")
     if settings.admin_key is not None:
         lines.append(f"  admin dashboard: {url}/admin/")
     return "\n".join(lines)
@@ -139,7 +145,7 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, dict):
+    if isinstance(value, dict | list):
         return "none" if not value else ", ".join(value)
     if isinstance(value, ByteSize):  # as a flag takes it: 8GiB, not 8589934592
         return next(f"{value >> shift}{unit}" for shift, unit in _BYTE_UNITS if value % (1 << shift) == 0)

@@ -6,7 +6,8 @@ import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     ByteSize,
@@ -20,6 +21,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -28,6 +30,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from prefixgate.errors import ConfigError
 from prefixgate.policies import policy_names
+from prefixgate.store.redis_tier import masked_url
 
 _config_file: ContextVar[Path | None] = ContextVar("prefixgate_config_file", default=None)
 
@@ -73,6 +76,19 @@ class Settings(BaseSettings):
     )
     host_budget: ByteSize = Field(ByteSize(8 << 30), description="host (CPU memory) tier bytes")
     disk_budget: ByteSize = Field(ByteSize(64 << 30), description="disk (LMDB) tier bytes; 0 turns it off")
+    remote: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Redis URL of a remote tier shared by replicas (redis://, or rediss:// for TLS), or the URLs of "
+        "several nodes of one Redis Cluster; none: no remote tier. A password in a flag shows in `ps`: prefer "
+        "PREFIXGATE_REMOTE (URLs separated by commas)",
+    )
+    remote_ttl: PositiveFloat = Field(24 * 3600.0, description="seconds a block lives in Redis")
+    remote_timeout: PositiveFloat = Field(
+        0.25, description="seconds a lookup waits for Redis before it goes on without it"
+    )
+    remote_queue_budget: ByteSize = Field(
+        ByteSize(256 << 20), description="bytes of blocks waiting to be sent to Redis; beyond it, writes are dropped"
+    )
     kv_buffer_budget: ByteSize = Field(
         ByteSize(1 << 30), description="bytes of finished requests' KV buffers kept on the model's device for reuse"
     )
@@ -129,6 +145,20 @@ class Settings(BaseSettings):
         if self.admin_key is not None and self.admin_key in self.api_keys:
             raise ValueError("admin_key is also an API key; give /admin a key of its own")
         return self
+
+    @field_validator("remote", mode="before")
+    @classmethod
+    def _remote_urls(cls, value: Any) -> Any:
+        # One variable or file value may list a cluster's nodes: "redis://a:7000,redis://b:7001".
+        if isinstance(value, str):
+            value = [url for url in value.split(",") if url.strip()]  # empty: no remote tier
+        if not isinstance(value, list):
+            return value  # pydantic says what it expected
+        urls = [url.strip() if isinstance(url, str) else url for url in value]
+        for url in urls:
+            if isinstance(url, str) and urlsplit(url).scheme not in ("redis", "rediss"):
+                raise ValueError(f"a Redis URL starts with redis:// or rediss://, got {masked_url(url)!r}")
+        return urls
 
     @field_validator("store", mode="before")
     @classmethod

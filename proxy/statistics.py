@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 
 from prefixgate.backends import AdmissionStats
 from prefixgate.store import TierStats
+from prefixgate.store.redis_tier import RedisStats
 
 # Seconds; from a cached short prompt to a cold 8k-token prefill on a CPU.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -141,11 +142,13 @@ class EngineCollector(Collector):
         admission: Callable[[], AdmissionStats],
         *,
         model_name: str,
+        remote: Callable[[], RedisStats | None] = lambda: None,
         tenants: bool = False,
     ) -> None:
         self._stats = stats
         self._tiers = tiers
         self._admission = admission
+        self._remote = remote
         self._model_name = model_name
         # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
         # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
@@ -153,10 +156,13 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Yield every metric family, read now."""
-        stats, tiers = self._stats.snapshot(), self._tiers()
-        yield from self._engine_metrics(stats, [tier.name for tier in tiers])
+        stats, tiers, remote = self._stats.snapshot(), self._tiers(), self._remote()
+        names = [tier.name for tier in tiers] + ([remote.name] if remote is not None else [])
+        yield from self._engine_metrics(stats, names)
         yield from self._admission_gauges(self._admission())
         yield from _store_metrics(tiers)
+        if remote is not None:
+            yield from _remote_metrics(remote)
         if self._tenants:
             yield from self._tenant_counters(stats.tenants)
 
@@ -237,6 +243,36 @@ def _store_metrics(tiers: Sequence[TierStats]) -> Iterator[Metric]:
     ):
         samples = [([tier.name], getattr(tier, counter)) for tier in tiers]
         yield _family(CounterMetricFamily, f"prefixgate_store_{counter}", help_text, ["tier"], samples)
+
+
+def _remote_metrics(remote: RedisStats) -> Iterator[Metric]:
+    # Redis holds every replica's blocks under its own eviction: this server reports only what it did there.
+    yield _family(
+        GaugeMetricFamily,
+        "prefixgate_remote_up",
+        "1 when Redis answered this server's last request.",
+        [],
+        [([], int(remote.available))],
+    )
+    yield _family(
+        GaugeMetricFamily,
+        "prefixgate_remote_queued_bytes",
+        "Bytes of blocks waiting to be sent to Redis.",
+        [],
+        [([], remote.queued_bytes)],
+    )
+    for counter, help_text in (
+        ("hits", "Blocks this server found in Redis."),
+        ("misses", "Lookups in Redis that ended before the end of the chain asked for."),
+        ("promotions", "Blocks found in Redis and kept in this server's top tier."),
+        ("corrupt", "Blocks found in Redis whose tokens or checksum did not match, deleted there."),
+        ("errors", "Requests to Redis that failed or timed out."),
+        ("writes", "Blocks this server wrote to Redis."),
+        ("written_bytes", "Bytes this server wrote to Redis."),
+        ("dropped_writes", "Blocks not written to Redis: its writer too far behind, Redis down or out of memory."),
+    ):
+        samples: list[tuple[list[str], float]] = [([], getattr(remote, counter))]
+        yield _family(CounterMetricFamily, f"prefixgate_remote_{counter}", help_text, [], samples)
 
 
 def _family(

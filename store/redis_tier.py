@@ -55,6 +55,7 @@ _SECRET_BYTES = 32
 DEFAULT_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
 _BATCH_OPS = 64  # operations per pipeline
 _BATCH_BYTES = 16 << 20  # tensor bytes per pipeline: each is encoded in memory before it is sent
+_READ_BYTES = 1 << 20  # bytes a connection reads from its socket at once
 _SCAN_COUNT = 1000  # keys per SCAN step, and per UNLINK
 _MAX_DOUBLINGS = 30
 
@@ -65,7 +66,7 @@ class RedisCounters(TierCounters):
 
     errors: int = 0  # failed round trips: connection errors, timeouts, replies other than OOM
     writes: int = 0  # blocks Redis accepted
-    bytes_written: int = 0  # their encoded bytes
+    written_bytes: int = 0  # their encoded bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ class RedisStats:
     dropped_writes: int  # writer too far behind, Redis unavailable, or Redis out of memory
     errors: int
     writes: int
-    bytes_written: int
+    written_bytes: int
     queued_bytes: int  # tensor bytes waiting for the writer now
 
 
@@ -162,6 +163,7 @@ class RedisTier:
         self._clock = clock  # in the time base of `Block.created`; also times the backoff
         self._health = _Health(clock, backoff, max_backoff)
         self._secret: bytes | None = None  # once read: put back if Redis loses it
+        self._secret_conflict = False  # Redis holds another secret (logged once)
         # Two clients: lookups wait at most `socket_timeout`, so a dead Redis answers a miss fast; the writer sends
         # whole blocks, which take longer than that on a slow link, and nobody waits for it.
         self._reader = _client(urls, socket_timeout, socket_timeout)
@@ -240,6 +242,25 @@ class RedisTier:
         while run < len(keys) and replies[run] == 1:
             run += 1
         return run
+
+    def check(self) -> bool:
+        """Return whether Redis answers now; within the backoff after a failure, False without asking.
+
+        For health checks: requests served from the local tiers alone never ask Redis, so only this notices that it
+        went away, or came back, or lost the shared secret (which it puts back).
+        """
+        if not self._health.usable():
+            return False
+        try:
+            if self._secret is None:
+                self._reader.ping()
+            else:
+                self._keep_secret()
+        except (RedisError, OSError) as error:
+            self._fault(error)
+            return False
+        self._answered()
+        return True
 
     def usage(self) -> RedisUsage | None:
         """Return what Redis holds now, or None when it does not answer.
@@ -384,7 +405,7 @@ class RedisTier:
             dropped_writes=counters.dropped_writes,
             errors=counters.errors,
             writes=counters.writes,
-            bytes_written=counters.bytes_written,
+            written_bytes=counters.written_bytes,
             queued_bytes=queued_bytes,
         )
 
@@ -457,7 +478,7 @@ class RedisTier:
             if not isinstance(reply, Exception):
                 if size is not None:
                     self.counters.add("writes")
-                    self.counters.add("bytes_written", size)
+                    self.counters.add("written_bytes", size)
                 continue
             if size is not None:
                 self.counters.add("dropped_writes")
@@ -501,25 +522,28 @@ class RedisTier:
     def _answered(self) -> None:
         if self._health.succeeded():
             log.info("Redis at %s answers again", self.url)
-            self._restore_secret()
+            if self._secret is not None:
+                try:
+                    self._keep_secret()
+                except (RedisError, OSError) as error:
+                    log.warning("could not check the shared secret in Redis at %s: %s", self.url, error)
 
-    def _restore_secret(self) -> None:
-        """Put the shared secret back when Redis lost it (restarted without persistence), so replicas started from
-        now on key blocks as this one does."""
-        if self._secret is None:
-            return
-        try:
-            self._writer_client.set(SECRET_KEY, self._secret, nx=True)
-            held = self._writer_client.get(SECRET_KEY)
-        except (RedisError, OSError) as error:
-            log.warning("could not check the shared secret in Redis at %s: %s", self.url, error)
-            return
-        if held != self._secret:
+    def _keep_secret(self) -> None:
+        """Put the shared secret back when Redis lost it (restarted without persistence), so servers started from
+        now on key blocks as this one does; log when Redis holds another one."""
+        assert self._secret is not None
+        pipe = self._writer_client.pipeline(transaction=False)
+        pipe.set(SECRET_KEY, self._secret, nx=True)
+        pipe.get(SECRET_KEY)
+        held = pipe.execute()[1]
+        conflict = held != self._secret
+        if conflict and not self._secret_conflict:
             log.error(
-                "Redis at %s holds another shared secret than this replica's: replicas that read it key blocks apart "
-                "from this one, and share nothing with it; restart this replica to share with them",
+                "Redis at %s holds another shared secret than this server's: servers that read it key blocks apart "
+                "from this one and share nothing with it; restart this server to share with them",
                 self.url,
             )
+        self._secret_conflict = conflict
 
 
 def masked_url(url: str) -> str:
@@ -552,6 +576,8 @@ def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> re
         # with backoff, since 6.0) would turn one lookup against a dead Redis into seconds.
         "retry": Retry(NoBackoff(), 0),
         "client_name": "prefixgate",
+        # A block is megabytes: read replies in large pieces (redis-py's 64 KiB takes twice as long for a chain).
+        "socket_read_size": _READ_BYTES,
     }
     shown = ", ".join(masked_url(url) for url in urls)
     try:

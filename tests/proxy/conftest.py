@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, StepRecord
-from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app
+from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app, store_config
 from prefixgate.proxy.engine import Engine
 from prefixgate.proxy.settings import Settings, load_settings
-from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from prefixgate.store import BlockLayout, TieredStore
 from tests.backends.tiny_models import make_llama, make_tokenizer
 
 MODEL = "tiny-llama"
@@ -67,7 +67,7 @@ def tiny_engine(
         on_step=steps.append,
     )
     geometry = backend.geometry
-    config = StoreConfig(TierConfig(0), TierConfig(int(settings.host_budget)), TierConfig(int(settings.disk_budget)))
+    config = store_config(settings, backend.device)
     store = TieredStore.open(settings.store, BlockLayout(geometry.block_shape, geometry.dtype), config)
     return Engine(backend, store, layout=settings.layout)
 

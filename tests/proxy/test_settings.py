@@ -103,6 +103,8 @@ def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]
     assert "--host-budget BYTES host (CPU memory) tier bytes (default: 8GiB)" in words
     assert "(default: 16MiB)" in words and "8589934592" not in words
     assert "repeat --api-key for more" in words and "repeat --layout-pattern for more" in words
+    assert "--remote URL" in words and "repeat --remote for each node of a Redis Cluster" in words
+    assert "--remote-queue-budget BYTES" in words and "(default: 256MiB)" in words
 
 
 def test_a_malformed_config_file_is_one_clear_error(tmp_path: Path) -> None:

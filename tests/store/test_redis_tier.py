@@ -96,7 +96,7 @@ def test_blocks_one_tier_writes_are_read_whole_by_another_on_the_same_url(
     assert [torch.equal(got.block.kv, block.kv) for got, block in zip(standalone, blocks, strict=True)] == [True] * 3
     stats = reader.stats()
     assert (stats.hits, stats.misses, stats.corrupt, stats.errors) == (6, 0, 0, 0)
-    assert writer.stats().writes == 3 and writer.stats().bytes_written > 3 * BLOCK
+    assert writer.stats().writes == 3 and writer.stats().written_bytes > 3 * BLOCK
 
 
 def test_a_chain_is_read_and_looked_up_in_one_round_trip_each(
@@ -267,6 +267,19 @@ def test_a_stopped_redis_answers_misses_and_the_tier_serves_again_after_its_back
     assert PASSWORD not in caplog.text
 
 
+def test_a_health_check_asks_redis_unless_within_the_backoff(
+    open_tier: TierFactory, redis_server: RedisServer, clock: FakeClock
+) -> None:
+    tier = open_tier(backoff=1.0)
+    assert tier.check() and tier.available
+    redis_server.stop()
+    assert not tier.check() and tier.counters.errors == 1
+    assert not tier.check() and tier.counters.errors == 1  # within the backoff: not asked
+    redis_server.start()
+    clock.advance(1.0)
+    assert tier.check() and tier.available
+
+
 def test_the_secret_cannot_be_read_from_a_stopped_redis(open_tier: TierFactory, redis_server: RedisServer) -> None:
     tier = open_tier()
     redis_server.stop()
@@ -298,6 +311,18 @@ def test_replicas_starting_at_once_create_one_secret_and_all_read_it(
     assert len(secrets[0]) == 32
     assert tiers[0].load_or_create_secret() == secrets[0]  # and later calls read the same
     assert raw_redis.ttl(SECRET_KEY) == -1  # never expires, so a `volatile-*` eviction policy never evicts it
+
+
+def test_a_health_check_puts_a_lost_secret_back_and_logs_one_replaced(
+    open_tier: TierFactory, raw_redis: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = open_tier()
+    secret = tier.load_or_create_secret()
+    raw_redis.flushall()  # as a Redis restarted without persistence
+    assert tier.check() and raw_redis.get(SECRET_KEY) == secret
+    raw_redis.set(SECRET_KEY, bytes(32))
+    assert tier.check() and tier.check()
+    assert caplog.text.count("holds another shared secret") == 1 and raw_redis.get(SECRET_KEY) == bytes(32)
 
 
 def test_a_damaged_secret_is_an_error_that_says_how_to_reset_it(open_tier: TierFactory, raw_redis: redis.Redis) -> None:

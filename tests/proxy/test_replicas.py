@@ -1,0 +1,152 @@
+"""Replicas sharing one Redis: two `prefixgate serve` processes on the real SmolLM2, each with its own store folder,
+driven by the official `openai` client. What one computes the other serves from the remote tier; tenants stay
+apart; a Redis that stops costs the replicas their shared cache, never a request."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from prefixgate.store.redis_tier import KEY_PREFIX
+from tests.proxy.conftest import metric_families, sample
+from tests.services import RedisServer, Server
+
+pytestmark = pytest.mark.smollm2
+
+MODEL = "smollm2-135m"
+BLOCK_SIZE = 64  # the default
+ADMIN_KEY = "admin-key-for-tests"
+KEYS = ("--api-key", "acme-key=acme", "--api-key", "globex-key=globex")
+HANDBOOK = "You answer questions about the Northwind warehouse handbook below.\n" + "\n".join(
+    f"Rule {i}: aisle {i} holds {['bolts', 'cables', 'valves', 'pumps'][i % 4]}, restocked every {i % 7 + 1} days."
+    for i in range(1, 51)
+)
+
+Start = Callable[..., Server]
+
+
+@pytest.fixture
+def start_replica(tmp_path: Path, redis_server: RedisServer) -> Iterator[Start]:
+    """Start replicas on the test's Redis, each with a store folder of its own."""
+    servers: list[Server] = []
+
+    def start(*flags: str) -> Server:
+        store = tmp_path / f"replica{len(servers)}"
+        server = Server(store, "--remote", redis_server.url, "--admin-key", ADMIN_KEY, *flags)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def ask(server: Server, question: str, api_key: str = "unused", system: str = HANDBOOK) -> tuple[str, int, int]:
+    """Return the greedy answer to `question` after `system`, the prompt tokens served from the cache, and all."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+    return reply.choices[0].message.content or "", cached, reply.usage.prompt_tokens
+
+
+def wait_for_blocks_in_redis(redis_server: RedisServer, count: int) -> None:
+    """Wait until Redis holds `count` blocks: a replica writes them in the background once it has answered."""
+    client = redis_server.client()
+    try:
+        deadline = time.monotonic() + 60  # they arrive within a second; the bound only stops a broken run hanging
+        while len(client.keys(f"{KEY_PREFIX}*")) < count:
+            assert time.monotonic() < deadline, f"Redis never held {count} blocks"
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def reusable_blocks(prompt_tokens: int) -> int:
+    return (prompt_tokens - 1) // BLOCK_SIZE
+
+
+def admin_cache(server: Server) -> dict[str, Any]:
+    request = urllib.request.Request(f"{server.url}/admin/cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request) as response:
+        body: dict[str, Any] = json.load(response)
+    return body
+
+
+def health(server: Server) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(server.get("/health"))
+    return body
+
+
+def test_a_prompt_computed_on_one_replica_is_served_from_redis_by_another(
+    start_replica: Start, redis_server: RedisServer
+) -> None:
+    first, second = start_replica(), start_replica()
+    answer, cached, prompt_tokens = ask(first, "What does aisle 12 hold?")
+    assert cached == 0
+    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+
+    again, cached, _ = ask(second, "What does aisle 12 hold?")
+    assert again == answer  # greedy, from blocks the first replica computed
+    assert cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE
+    remote = admin_cache(second)["remote"]
+    assert remote["tokens_saved"] == cached and remote["available"]
+    assert remote["entries"] >= reusable_blocks(prompt_tokens)
+    assert health(second)["status"] == "ok" and "***" in health(second)["remote"]["url"]
+    metrics = metric_families(second.metrics())
+    assert sample(metrics, "prefixgate_prefix_cache_hits_by_tier_total", tier="remote") == cached
+    assert sample(metrics, "prefixgate_remote_hits_total") == reusable_blocks(prompt_tokens)
+    assert sample(metrics, "prefixgate_remote_up") == 1
+
+    assert ask(second, "What does aisle 12 hold?")[1] >= cached
+    assert admin_cache(second)["remote"]["tokens_saved"] == cached  # the second time from its own tiers: promoted
+
+
+def test_tenants_share_nothing_across_replicas(start_replica: Start, redis_server: RedisServer) -> None:
+    first, second = start_replica(*KEYS), start_replica(*KEYS)
+    answer, _, prompt_tokens = ask(first, "How often is aisle 7 restocked?", api_key="acme-key")
+    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    assert ask(second, "How often is aisle 7 restocked?", api_key="globex-key")[1] == 0
+    again, cached, _ = ask(second, "How often is aisle 7 restocked?", api_key="acme-key")
+    assert cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE and again == answer
+
+
+def test_replicas_go_on_without_redis_and_use_it_again_once_it_is_back(
+    start_replica: Start, redis_server: RedisServer
+) -> None:
+    first, second = start_replica(), start_replica()
+    answer, _, prompt_tokens = ask(first, "What does aisle 3 hold?")
+    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    redis_server.stop()
+
+    again, cached, _ = ask(second, "What does aisle 3 hold?")  # Redis is gone: computed here, and still answered
+    assert (again, cached) == (answer, 0)
+    assert health(second)["status"] == "degraded" and not health(second)["remote"]["available"]
+    remote = admin_cache(second)["remote"]
+    assert remote["errors"] >= 1 and remote["entries"] is None
+    metrics = metric_families(second.metrics())
+    assert sample(metrics, "prefixgate_remote_up") == 0 and sample(metrics, "prefixgate_remote_errors_total") >= 1
+
+    redis_server.start()  # empty: what the first computed before is gone
+    # Each health check asks Redis once the backoff (a second at first, doubling with each failed try) is over.
+    deadline = time.monotonic() + 60
+    while health(second)["status"] != "ok":
+        assert time.monotonic() < deadline, "the remote tier did not come back"
+        time.sleep(0.1)
+    memo = "Night shift memo. " + HANDBOOK  # a prefix neither replica holds
+    answer, _, prompt_tokens = ask(second, "What does aisle 5 hold?", system=memo)
+    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    again, cached, _ = ask(first, "What does aisle 5 hold?", system=memo)
+    assert again == answer and cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE

@@ -83,8 +83,7 @@ def open_store(
         TierConfig(budgets["device"]),
         TierConfig(budgets["host"]),
         TierConfig(budgets["disk"]),
-        # The writer may hold the whole prefix: the benchmark waits for it, and a request would not.
-        remote=RemoteConfig((remote,), queue_bytes=2 * nbytes) if tier == "remote" and remote is not None else None,
+        remote=RemoteConfig((remote,)) if tier == "remote" and remote is not None else None,
     )
     return TieredStore.open(folder / tier, layout, config, device=device)
 
@@ -122,10 +121,12 @@ async def measure(
             )
             keys = chain_keys(store.seed(namespace), tokens, size)
             parents = [None, *keys]
-            store.put(
-                [Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i]) for i in range(count)]
-            )
-            store.wait_for_writes()
+            chain = [
+                Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), blocks[i], parents[i]) for i in range(count)
+            ]
+            for begin in range(0, count, 32):  # the disk and Redis writers take at most 256 MiB at a time
+                store.put(chain[begin : begin + 32])
+                store.wait_for_writes()
             if tier == "remote":
                 store.flush("host")  # in Redis only
         server = redis.Redis.from_url(remote) if remote is not None else None

@@ -14,7 +14,7 @@ import redis
 import torch
 
 from prefixgate.errors import ConfigError, StoreError
-from prefixgate.store import Block, BlockKey, chain_keys
+from prefixgate.store import Block, BlockKey, chain_keys, redis_tier
 from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier, masked_url
 from tests.services import PASSWORD, RedisServer
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
@@ -120,6 +120,21 @@ def test_a_chain_is_read_and_looked_up_in_one_round_trip_each(
         if not name.startswith(("cmdstat_config", "cmdstat_info"))  # this test's own: CONFIG RESETSTAT, INFO
     }
     assert calls == {"cmdstat_exists": 6}  # the lookup reads no value
+
+
+def test_a_long_chain_is_read_in_round_trips_of_bounded_size_until_a_gap(
+    open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_tier, "_TRIP_BYTES", 2 * BLOCK)
+    writer, reader = open_tier(), open_tier()
+    blocks = make_chain(8, clock.now)
+    write(writer, blocks[:5])
+    assert reader.check()  # opens the reader's connection
+    raw_redis.config_resetstat()
+    found = reader.get_chain(keys_of(blocks), tokens_of(blocks))
+    assert [got.block.key for got in found] == keys_of(blocks[:5])
+    assert raw_redis.info("stats")["total_reads_processed"] == 3 + 1  # blocks 0-1, 2-3, 4-5 (a gap: done); INFO
+    assert raw_redis.info("commandstats")["cmdstat_get"]["calls"] == 6
 
 
 def test_a_chain_read_ends_at_the_first_missing_block_and_counts_one_miss(

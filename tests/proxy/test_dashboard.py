@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.proxy.conftest import MODEL, SYSTEM, Serve
+from tests.proxy.conftest import MODEL, SYSTEM, Serve, engine_of
+from tests.services import RedisServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -131,7 +132,7 @@ async def test_dashboard_shows_what_admin_cache_reports(serve: Serve, tmp_path: 
         assert int(page.values[f"totals.{field}"]) == totals[field], field
     assert float(page.values["totals.hit_rate"]) == pytest.approx(totals["hit_rate"])
     for tier in report["tiers"]:
-        for field in ("entries", "bytes", "capacity", "hits", "misses", "tokens_saved", "demotions"):
+        for field in ("entries", "bytes", "capacity", "hits", "misses", "tokens_saved", "demotions", "dropped_writes"):
             assert int(page.values[f"tier.{tier['name']}.{field}"]) == tier[field], (tier["name"], field)
         occupancy = float(page.values[f"tier.{tier['name']}.occupancy"])
         assert occupancy == pytest.approx(tier["bytes"] / tier["capacity"])
@@ -157,6 +158,31 @@ async def test_dashboard_shows_what_admin_cache_reports(serve: Serve, tmp_path: 
     last = await admin(client, f"/admin/cache/entries/{longest['key']}")
     assert page.text("prefix.start") == first["text"] and "system" in first["text"]
     assert page.text("prefix.end") == last["text"] and last["text"]
+
+
+async def test_dashboard_shows_the_remote_tier_only_when_there_is_one(
+    serve: Serve, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = await serve(admin_key=ADMIN_KEY, remote=[redis_server.url])
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    await engine_of(client).wait_for_blocks()
+    engine_of(client).store.wait_for_writes()
+    page = await open_page(client, tmp_path, f"#key={ADMIN_KEY}")
+    remote = (await admin(client, "/admin/cache"))["remote"]
+    assert "hidden" not in page.by_id["remote-section"]
+    assert remote["entries"] > 0
+    for field in ("entries", "used_memory", "hits", "misses", "errors", "writes", "dropped_writes"):
+        assert int(page.values[f"remote.{field}"]) == remote[field], field
+    assert page.text("remote.maxmemory") == "no limit" and page.text("remote.available") == "available"
+
+    local = await serve(admin_key=ADMIN_KEY, store=tmp_path / "local")
+    assert "hidden" in (await open_page(local, tmp_path, f"#key={ADMIN_KEY}")).by_id["remote-section"]
 
 
 async def test_dashboard_asks_for_the_key_when_it_has_none(serve: Serve, tmp_path: Path) -> None:

@@ -58,6 +58,8 @@ class Upstream:
     epoch: int = 0  # bumped when it fails: what it was sent before may be gone (a restart empties its cache)
     retry_at: float = 0.0  # when an upstream that failed may be tried again
     requests: int = 0  # requests sent to it so far
+    prompt_tokens: int = 0  # of finished requests, as it reported them
+    cached_tokens: int = 0  # of those, served from its own prefix cache
     last_miss: int = 0  # the router's count of misses when it last took one: the least recent takes the next
 
     def usable(self, now: float) -> bool:

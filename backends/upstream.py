@@ -102,6 +102,11 @@ class UpstreamStream:
         while not self._pending and not self._done:
             await self._read()
 
+    async def finish(self) -> None:
+        """Read to the end of the answer: the usage comes after the last chunk."""
+        while not self._done:
+            await self._read()
+
     async def aclose(self, *, failed: bool = False) -> None:
         """Close the connection (an upstream stops generating when its client leaves) and count the request done;
         `failed` takes the upstream out of rotation for its backoff."""

@@ -28,7 +28,7 @@ from prefixgate.proxy.admin_requests import (
     TextExplainRequest,
     TextWarmRequest,
 )
-from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed
+from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed, local_engine, upstream_state
 from prefixgate.proxy.cache_report import (
     cache_report,
     entry_body,
@@ -39,6 +39,7 @@ from prefixgate.proxy.cache_report import (
 from prefixgate.proxy.dashboard import dashboard
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.explain import explanation_body
+from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import Block, BlockKey, EntryInfo, TieredStore, TierStats
 from prefixgate.store.redis_tier import RedisStats, RedisUsage
 
@@ -76,6 +77,9 @@ async def cache(request: web.Request) -> web.Response:
     """GET /admin/cache: totals, each tier and each tenant."""
     params.query(request)
     engine = request.config_dict[ENGINE]
+    if isinstance(engine, UpstreamEngine):
+        _audit(request, "cache")
+        return web.json_response(upstream_report(engine))
     tiers, found, remote = await asyncio.to_thread(_inventory, engine.store)
     _audit(request, "cache")
     block_size = engine.backend.geometry.block_size
@@ -85,7 +89,7 @@ async def cache(request: web.Request) -> web.Response:
 async def entries(request: web.Request) -> web.Response:
     """GET /admin/cache/entries?limit=&offset=&tier=&tenant=: the cached entries, one per block and tier."""
     query = params.query(request, "limit", "offset", "tier", "tenant")
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     tier = params.tier_name(query.get("tier"), _tier_names(engine))
     limit = params.integer(query, "limit", 100, 1, params.MAX_LIMIT)
     offset = params.integer(query, "offset", 0, 0)
@@ -108,7 +112,7 @@ async def entries(request: web.Request) -> web.Response:
 async def prefixes(request: web.Request) -> web.Response:
     """GET /admin/cache/prefixes?limit=&tenant=: the longest chains of cached blocks."""
     query = params.query(request, "limit", "tenant")
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     limit = params.integer(query, "limit", 10, 1, params.MAX_LIMIT)
     found = await asyncio.to_thread(engine.store.entries, tenant=query.get("tenant"))
     _audit(request, "prefixes", **query)
@@ -120,7 +124,7 @@ async def prefixes(request: web.Request) -> web.Response:
 async def entry(request: web.Request) -> web.Response:
     """GET /admin/cache/entries/{key}: one block in every tier holding it, with the text its tokens decode to."""
     params.query(request)
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     key = params.block_key(request.match_info["key"])
     infos, block = await asyncio.to_thread(_read, engine.store, key)
     _audit(request, "entry", key=key.hex())
@@ -144,7 +148,7 @@ async def entry(request: web.Request) -> web.Response:
 async def delete_entry(request: web.Request) -> web.Response:
     """DELETE /admin/cache/entries/{key}?extensions=: evict one block (and, asked, every block extending it)."""
     query = params.query(request, "extensions")
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     key = params.block_key(request.match_info["key"])
     extensions = params.boolean(query, "extensions")
     removed = await asyncio.to_thread(engine.store.delete, key, extensions=extensions)
@@ -160,7 +164,7 @@ async def flush(request: web.Request) -> web.Response:
     """POST /admin/cache/flush {tier?, tenant?}: drop every block, one tier's, or one tenant's."""
     params.query(request)
     body = await params.parse_body(request, FlushRequest)
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     if body.tier is not None and body.tenant is not None:
         raise RequestError("send tier or tenant, not both: a tenant's blocks are dropped from every tier")
     tier = params.tier_name(body.tier, engine.store.tier_names)  # the remote tier too
@@ -252,7 +256,7 @@ def _audit(request: web.Request, action: str, **details: Any) -> None:
 
 def _prompt(request: web.Request, body: ExplainRequest) -> tuple[Engine, PromptRequest]:
     """Return the engine and the engine's request for a warm or explain body, as the named tenant would send it."""
-    engine = request.config_dict[ENGINE]
+    engine = local_engine(request)
     if body.model != engine.backend.model_id:
         raise ModelNotServed(body.model, engine.backend.model_id)
     tenant = params.acting_tenant(body.tenant, sorted(set(request.config_dict[SETTINGS].api_keys.values())))
@@ -267,6 +271,14 @@ async def _naming_messages(body: ExplainRequest, call: Awaitable[_Result]) -> _R
         if error.param == "prompt" and isinstance(body, api.ChatCompletionRequest):
             error.param = "messages"
         raise
+
+
+def upstream_report(engine: UpstreamEngine) -> dict[str, Any]:
+    """Return the `/admin/cache` body in front of upstreams: each upstream's state, and the totals."""
+    stats = engine.stats.snapshot()
+    upstreams = [upstream_state(upstream) for upstream in engine.pool.router.upstreams]
+    totals = {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_total}
+    return {"object": "cache", "model": engine.model_id, "totals": totals, "upstreams": upstreams}
 
 
 def _tier_names(engine: Engine) -> list[str]:

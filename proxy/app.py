@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend
+from prefixgate.backends.router import Upstream
+from prefixgate.backends.upstream import UpstreamConfig, UpstreamError
 from prefixgate.errors import (
     ContextLengthError,
     ModelStoppedError,
@@ -30,27 +33,45 @@ from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
+from prefixgate.proxy.upstream_engine import UpstreamEngine, UpstreamGeneration
 from prefixgate.store import BlockLayout, RemoteConfig, StoreConfig, TierConfig, TieredStore
+from prefixgate.store.keys import load_or_create_secret
 from prefixgate.threads import use_threads
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefixgate.requests")  # one line per request; its fields ride on the record
 
-ENGINE = web.AppKey("engine", Engine)
+AnyEngine = Engine | UpstreamEngine  # a local model's, or one in front of upstreams
+AnyGeneration = Generation | UpstreamGeneration
+ENGINE: web.AppKey[AnyEngine] = web.AppKey("engine")
 METRICS = web.AppKey("metrics", CollectorRegistry)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
-GENERATION = web.RequestKey("generation", Generation)  # the request's generation, for its log line
+GENERATION: web.RequestKey[AnyGeneration] = web.RequestKey("generation")  # the request's, for its log line
 # How the app is served (keyword arguments of aiohttp's run_app, AppRunner and TestServer): a client that disconnects
 # cancels its handler, so its request stops at the model's next step, in prefill as in decoding, streamed or not.
 SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-EngineFactory = Callable[[Settings], Awaitable[Engine]]
+EngineFactory = Callable[[Settings], Awaitable[AnyEngine]]
 
 
-async def build_engine(settings: Settings) -> Engine:
-    """Load the model named in the settings, open the store beside it, and join them in an engine."""
+async def build_engine(settings: Settings) -> AnyEngine:
+    """Load the model named in the settings, open the store beside it, and join them in an engine; or, with
+    upstreams, an engine in front of them."""
+    patterns = (
+        tuple(DynamicPattern(name, regex) for name, regex in settings.layout_patterns.items())
+        if settings.layout_patterns is not None
+        else DEFAULT_PATTERNS
+    )
+    if settings.upstream:
+        # The tenants' salts outlive a restart with the store's secret, so the upstreams' caches stay theirs.
+        folder = settings.store
+        secret = await asyncio.to_thread(load_or_create_secret, folder) if folder is not None else os.urandom(32)
+        configs = [UpstreamConfig(url, settings.upstream_api_keys.get(url)) for url in settings.upstream]
+        return await UpstreamEngine.open(
+            configs, settings.model, secret=secret, patterns=patterns, layout=settings.layout
+        )
     backend = await asyncio.to_thread(
         HFBackend.load,
         settings.model,
@@ -76,11 +97,6 @@ async def build_engine(settings: Settings) -> Engine:
     except BaseException:
         await backend.aclose()
         raise
-    patterns = (
-        tuple(DynamicPattern(name, regex) for name, regex in settings.layout_patterns.items())
-        if settings.layout_patterns is not None
-        else DEFAULT_PATTERNS
-    )
     return Engine(backend, store, patterns=patterns, layout=settings.layout)
 
 
@@ -190,6 +206,8 @@ async def health(request: web.Request) -> web.Response:
     """GET /health: "ok"; "degraded" while the remote tier does not answer (requests go on without it); 503
     "unavailable" once the model has stopped."""
     engine = request.app[ENGINE]
+    if isinstance(engine, UpstreamEngine):
+        return _upstream_health(engine)
     body: dict[str, Any] = {
         "status": "ok",
         "model": engine.backend.model_id,
@@ -207,6 +225,28 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+def _upstream_health(engine: UpstreamEngine) -> web.Response:
+    """Each upstream's state; "degraded" while some are out of rotation, 503 "unavailable" while all are."""
+    upstreams = [upstream_state(upstream) for upstream in engine.pool.router.upstreams]
+    healthy = sum(state["available"] for state in upstreams)
+    status = "ok" if healthy == len(upstreams) else "degraded" if healthy else "unavailable"
+    body = {"status": status, "model": engine.model_id, "upstreams": upstreams}
+    return web.json_response(body, status=503 if status == "unavailable" else 200)
+
+
+def upstream_state(upstream: Upstream) -> dict[str, Any]:
+    """Return what `/health` and `/admin/cache` say of one upstream."""
+    return {
+        "url": upstream.url,
+        "available": upstream.failures == 0,
+        "in_flight": upstream.in_flight,
+        "requests": upstream.requests,
+        "failures": upstream.failures,
+        "prompt_tokens": upstream.prompt_tokens,
+        "cached_tokens": upstream.cached_tokens,
+    }
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics, in Prometheus text format."""
     # Off the loop: a scrape reads the store's tiers, and that touches LMDB.
@@ -218,7 +258,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, generation: Generation, model: str, include_usage: bool, *, chat: bool
+    request: web.Request, generation: AnyGeneration, model: str, include_usage: bool, *, chat: bool
 ) -> web.StreamResponse:
     """Send the generation as server-sent events, exactly as OpenAI does; the caller closes the generation."""
     response = web.StreamResponse(
@@ -271,15 +311,16 @@ async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
     await response.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
 
-def _headers(generation: Generation) -> dict[str, str]:
+def _headers(generation: AnyGeneration) -> dict[str, str]:
     # Server-Timing: the engine's own time, so a client can tell it from the network's and the proxy's.
     timings = [("ttft", generation.time_to_first_token), ("engine", generation.duration)]
     headers = {
-        "x-prefixgate-cached-tokens": str(generation.hit.cached_tokens),
         "Server-Timing": ", ".join(
             f"{name};dur={seconds * 1e3:.3f}" for name, seconds in timings if seconds is not None
         ),
     }
+    if generation.cached_tokens is not None:  # an upstream says it with its usage, after a stream's headers
+        headers["x-prefixgate-cached-tokens"] = str(generation.cached_tokens)
     if generation.moved:
         headers["x-prefixgate-layout-moved"] = describe(generation.moved)
     return headers
@@ -288,37 +329,50 @@ def _headers(generation: Generation) -> dict[str, str]:
 # -- parsing and the edge -----------------------------------------------------------------------------------------
 
 
-def _engine_for(request: web.Request, model: str) -> Engine:
+def _engine_for(request: web.Request, model: str) -> AnyEngine:
     engine = request.app[ENGINE]
-    if model != engine.backend.model_id:
-        raise ModelNotServed(model, engine.backend.model_id)
+    if model != engine.model_id:
+        raise ModelNotServed(model, engine.model_id)
     return engine
 
 
-def _metrics_registry(engine: Engine, settings: Settings) -> CollectorRegistry:
+def local_engine(request: web.Request) -> Engine:
+    """Return the engine of a local model; raise RequestError in front of upstreams, which hold no cache here."""
+    engine = request.config_dict[ENGINE]
+    if isinstance(engine, UpstreamEngine):
+        raise RequestError(
+            f"{request.path} works on this server's own cache, and this one forwards to upstreams, each with its own"
+        )
+    return engine
+
+
+def _metrics_registry(engine: AnyEngine, settings: Settings) -> CollectorRegistry:
     """Return a registry of the app's own that reads the engine's statistics at each scrape."""
     # One per app, not prometheus_client's process-wide default: several apps in one process each report their own.
     registry = CollectorRegistry()
-    collector = EngineCollector(
-        engine.stats,
-        engine.store.stats,
-        engine.backend.admission,
-        model_name=engine.backend.model_id,
-        remote=engine.store.remote_stats,
-        tenants=settings.metrics_tenants,
-    )
+    if isinstance(engine, UpstreamEngine):
+        collector = EngineCollector(
+            engine.stats,
+            model_name=engine.model_id,
+            upstreams=lambda: engine.pool.router.upstreams,
+            tenants=settings.metrics_tenants,
+        )
+    else:
+        collector = EngineCollector(
+            engine.stats,
+            engine.store.stats,
+            engine.backend.admission,
+            model_name=engine.model_id,
+            remote=engine.store.remote_stats,
+            tenants=settings.metrics_tenants,
+        )
     registry.register(collector)
     return registry
 
 
-def _model_card(engine: Engine) -> dict[str, Any]:
-    return {
-        "id": engine.backend.model_id,
-        "object": "model",
-        "created": 0,
-        "owned_by": "prefixgate",
-        "context_length": engine.backend.context_length,
-    }
+def _model_card(engine: AnyEngine) -> dict[str, Any]:
+    card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "prefixgate"}
+    return card | ({"context_length": engine.context_length} if engine.context_length is not None else {})
 
 
 class ModelNotServed(PrefixgateError, LookupError):
@@ -444,6 +498,11 @@ def _error_response(error: PrefixgateError) -> tuple[int, dict[str, Any]]:
         return 404, api.error_body(str(error), "invalid_request_error", param="model", code="model_not_found")
     if isinstance(error, ModelStoppedError):
         return 503, api.error_body(str(error), "server_error")
+    if isinstance(error, UpstreamError):
+        # An upstream's own error (a 4xx the client can fix) as it wrote it; one that did not answer as a 502/503/504.
+        if error.body is not None and error.status < 500:
+            return error.status, error.body
+        return (error.status if error.status >= 500 else 502), api.error_body(str(error), "server_error")
     if isinstance(error, RequestError | UnsupportedModelError):  # what was asked cannot be served as asked
         param = getattr(error, "param", None)
         code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None

@@ -18,9 +18,16 @@ from prefixgate import __version__
 from prefixgate.errors import ConfigError, PrefixgateError
 from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, build_engine, create_app
 from prefixgate.proxy.settings import Settings, load_settings
+from prefixgate.proxy.upstream_engine import UpstreamEngine
 
 # Settings whose values are maps take `KEY=VALUE` flags that may repeat.
-_MAP_FLAGS = {"api_keys": ("--api-key", "KEY=TENANT"), "layout_patterns": ("--layout-pattern", "NAME=REGEX")}
+_MAP_FLAGS = {
+    "api_keys": ("--api-key", "KEY=TENANT"),
+    "layout_patterns": ("--layout-pattern", "NAME=REGEX"),
+    "upstream_api_keys": ("--upstream-api-key", "URL=KEY"),
+}
+# Settings whose values are lists of URLs take a flag that may repeat.
+_LIST_FLAGS = {"remote": "repeat --remote for each node of a Redis Cluster", "upstream": "repeat --upstream for more"}
 _BYTE_UNITS = ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"), (0, ""))  # byte settings shown as flags take them
 
 
@@ -69,9 +76,10 @@ def _parser() -> argparse.ArgumentParser:
             flag, metavar = _MAP_FLAGS[name]
             help_text += f"; repeat {flag} for more"
             serve.add_argument(flag, dest=name, action="append", metavar=metavar, help=help_text)
-        elif name == "remote":
-            help_text += "; repeat --remote for each node of a Redis Cluster"
-            serve.add_argument("--remote", dest=name, action="append", metavar="URL", help=help_text)
+        elif name in _LIST_FLAGS:
+            help_text += f"; {_LIST_FLAGS[name]}"
+            flag = f"--{name.replace('_', '-')}"
+            serve.add_argument(flag, dest=name, action="append", metavar="URL", help=help_text)
         elif field.annotation is bool:
             serve.add_argument(
                 f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction, help=help_text
@@ -111,10 +119,14 @@ class _JSONFormatter(logging.Formatter):
 def _banner(app: web.Application, settings: Settings) -> str:
     """Return what the server says when it starts: the model and URL, the store and its tiers, the dashboard."""
     url = f"http://{settings.host}:{settings.port}"
-    tiers = ", ".join(f"{tier.name} {_show(ByteSize(tier.capacity_bytes))}" for tier in app[ENGINE].store.tiers)
+    engine = app[ENGINE]
+    if isinstance(engine, UpstreamEngine):
+        upstreams = ", ".join(upstream.url for upstream in engine.pool.router.upstreams)
+        return f"prefixgate {__version__} serving {settings.model} on {url}/v1\n  in front of upstreams: {upstreams}"
+    tiers = ", ".join(f"{tier.name} {_show(ByteSize(tier.capacity_bytes))}" for tier in engine.store.tiers)
     where = f"in {settings.store}" if settings.store is not None else "in memory only (nothing persists)"
     lines = [f"prefixgate {__version__} serving {settings.model} on {url}/v1", f"  store {where}: {tiers}"]
-    remote = app[ENGINE].store.remote
+    remote = engine.store.remote
     if remote is not None:
         lines.append(f"  remote tier: Redis at {remote.url}, blocks live {remote.ttl:g} s")
     if settings.admin_key is not None:

@@ -49,6 +49,7 @@ class PromptRequest:
     tenant: str = ""  # who asks; decided by the server, never by the client
     cache_salt: str | None = None  # splits the tenant's cache further
     layout: bool = True
+    hint: str | None = None  # the client's affinity hint (prompt_cache_key or user): upstreams are routed by it
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -122,6 +123,16 @@ class Engine:
         self._filer = ThreadPoolExecutor(
             1, thread_name_prefix="prefixgate-store", initializer=use_threads, initargs=(1,)
         )
+
+    @property
+    def model_id(self) -> str:
+        """Return the id requests name the model by."""
+        return self.backend.model_id
+
+    @property
+    def context_length(self) -> int:
+        """Return the model's context, in tokens."""
+        return self.backend.context_length
 
     # -- the pipeline -------------------------------------------------------------------------------------------
 
@@ -384,6 +395,11 @@ class Generation:
     def prompt_tokens(self) -> int:
         """Return the number of prompt tokens."""
         return len(self.prepared.token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Return the prompt tokens served from the cache."""
+        return self.hit.cached_tokens
 
     def usage(self) -> Usage:
         """Return token counts so far."""

@@ -105,8 +105,8 @@ class _Generation(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted; it does not change the answer
-    prompt_cache_key: str | None = None  # accepted; prefixgate finds prefixes by content, no key needed
+    user: str | None = None  # it does not change the answer; before upstreams, a routing hint
+    prompt_cache_key: str | None = None  # prefixes are found by content; before upstreams, a routing hint
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # splits this tenant's cache further
     layout: bool = True  # false keeps per-request content where the client put it
 
@@ -183,6 +183,7 @@ class ChatCompletionRequest(_Generation):
             tenant=tenant,
             cache_salt=self.cache_salt,
             layout=self.layout,
+            hint=self.prompt_cache_key or self.user,
         )
 
 
@@ -216,7 +217,27 @@ class CompletionRequest(_Generation):
             tenant=tenant,
             cache_salt=self.cache_salt,
             layout=self.layout,
+            hint=self.prompt_cache_key or self.user,
         )
+
+
+def sampling_fields(model: str, params: SamplingParams) -> dict[str, Any]:
+    """Return the body fields that ask an OpenAI-compatible server for `model` with these sampling parameters."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.top_k:  # an extension: left out when off, for servers that know only OpenAI's fields
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.n != 1:
+        body["n"] = params.n
+    return body
 
 
 def parse_json(raw: bytes, model: type[_Body]) -> _Body:

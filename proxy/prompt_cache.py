@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, Unpack, overload
 
+from prefixgate.errors import ConfigError
 from prefixgate.proxy.decorator import (
     AsyncCachedFunction,
     CachedFunction,
@@ -68,6 +69,12 @@ class PromptCache:
         loop = _LoopThread()
         try:
             engine = loop.run(build_engine(loaded))
+            if not isinstance(engine, Engine):
+                loop.run(engine.close())
+                raise ConfigError(
+                    "PromptCache.open runs a model in this process; for a server in front of upstreams, start "
+                    "`prefixgate serve --upstream ...` and use PromptCache.connect(url)"
+                )
         except BaseException:
             loop.stop()
             raise

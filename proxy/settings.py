@@ -82,6 +82,15 @@ class Settings(BaseSettings):
         "several nodes of one Redis Cluster; none: no remote tier. A password in a flag shows in `ps`: prefer "
         "PREFIXGATE_REMOTE (URLs separated by commas)",
     )
+    upstream: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="base URL of an OpenAI-compatible server to forward to instead of loading a model "
+        "(http://host:8000/v1: vLLM, SGLang, llama.cpp's server, another prefixgate), routed by prefix; "
+        "PREFIXGATE_UPSTREAM takes them separated by commas",
+    )
+    upstream_api_keys: dict[str, str] = Field(
+        default_factory=dict, description="upstream URL -> the API key prefixgate sends it; none: no key"
+    )
     remote_ttl: PositiveFloat = Field(24 * 3600.0, description="seconds a block lives in Redis")
     remote_timeout: PositiveFloat = Field(
         0.25, description="seconds a lookup waits for Redis before it goes on without it"
@@ -149,16 +158,14 @@ class Settings(BaseSettings):
     @field_validator("remote", mode="before")
     @classmethod
     def _remote_urls(cls, value: Any) -> Any:
-        # One variable or file value may list a cluster's nodes: "redis://a:7000,redis://b:7001".
-        if isinstance(value, str):
-            value = [url for url in value.split(",") if url.strip()]  # empty: no remote tier
-        if not isinstance(value, list):
-            return value  # pydantic says what it expected
-        urls = [url.strip() if isinstance(url, str) else url for url in value]
-        for url in urls:
-            if isinstance(url, str) and urlsplit(url).scheme not in ("redis", "rediss"):
-                raise ValueError(f"a Redis URL starts with redis:// or rediss://, got {masked_url(url)!r}")
-        return urls
+        return _urls(value, ("redis", "rediss"), "a Redis URL starts with redis:// or rediss://")
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_urls(cls, value: Any) -> Any:
+        urls = _urls(value, ("http", "https"), "an upstream URL starts with http:// or https://")
+        # As an OpenAI client takes it, with or without its trailing slash: one upstream, one spelling.
+        return [url.rstrip("/") for url in urls] if isinstance(urls, list) else urls
 
     @field_validator("store", mode="before")
     @classmethod
@@ -179,6 +186,19 @@ class Settings(BaseSettings):
         if config_file is not None:
             sources += (TomlConfigSettingsSource(settings_cls, toml_file=config_file),)
         return sources
+
+
+def _urls(value: Any, schemes: tuple[str, ...], rule: str) -> Any:
+    """Return a list setting of URLs, from a list or from one string that separates them with commas."""
+    if isinstance(value, str):
+        value = [url for url in value.split(",") if url.strip()]  # empty: none
+    if not isinstance(value, list):
+        return value  # pydantic says what it expected
+    urls = [url.strip() if isinstance(url, str) else url for url in value]
+    for url in urls:
+        if isinstance(url, str) and urlsplit(url).scheme not in schemes:
+            raise ValueError(f"{rule}, got {masked_url(url)!r}")
+    return urls
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

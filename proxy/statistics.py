@@ -18,8 +18,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from prefixgate.backends import AdmissionStats
+from prefixgate.backends.router import Upstream
 from prefixgate.store import TierStats
 from prefixgate.store.redis_tier import RedisStats
+
+CACHED_BY_UPSTREAMS = "upstream"  # the tier name under which upstreams' cached tokens are counted
 
 # Seconds; from a cached short prompt to a cold 8k-token prefill on a CPU.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -138,17 +141,19 @@ class EngineCollector(Collector):
     def __init__(
         self,
         stats: EngineStats,
-        tiers: Callable[[], Sequence[TierStats]],
-        admission: Callable[[], AdmissionStats],
+        tiers: Callable[[], Sequence[TierStats]] = lambda: (),
+        admission: Callable[[], AdmissionStats] | None = None,
         *,
         model_name: str,
         remote: Callable[[], RedisStats | None] = lambda: None,
+        upstreams: Callable[[], Sequence[Upstream]] = lambda: (),
         tenants: bool = False,
     ) -> None:
         self._stats = stats
         self._tiers = tiers
         self._admission = admission
         self._remote = remote
+        self._upstreams = upstreams
         self._model_name = model_name
         # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
         # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
@@ -156,13 +161,16 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Yield every metric family, read now."""
-        stats, tiers, remote = self._stats.snapshot(), self._tiers(), self._remote()
+        stats, tiers, remote, upstreams = self._stats.snapshot(), self._tiers(), self._remote(), self._upstreams()
         names = [tier.name for tier in tiers] + ([remote.name] if remote is not None else [])
-        yield from self._engine_metrics(stats, names)
-        yield from self._admission_gauges(self._admission())
+        yield from self._engine_metrics(stats, names + ([CACHED_BY_UPSTREAMS] if upstreams else []))
+        if self._admission is not None:
+            yield from self._admission_gauges(self._admission())
         yield from _store_metrics(tiers)
         if remote is not None:
             yield from _remote_metrics(remote)
+        if upstreams:
+            yield from self._upstream_metrics(upstreams)
         if self._tenants:
             yield from self._tenant_counters(stats.tenants)
 
@@ -208,6 +216,33 @@ class EngineCollector(Collector):
             yield _family(
                 GaugeMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([self._model_name], value)]
             )
+
+    def _upstream_metrics(self, upstreams: Sequence[Upstream]) -> Iterator[Metric]:
+        running = sum(upstream.in_flight for upstream in upstreams)
+        yield _family(
+            GaugeMetricFamily,
+            "prefixgate_num_requests_running",
+            "Requests the upstreams are answering.",
+            ["model_name"],
+            [([self._model_name], running)],
+        )
+        for name, kind, help_text, attribute in (
+            ("upstream_up", GaugeMetricFamily, "1 while the upstream is in rotation.", None),
+            ("upstream_in_flight", GaugeMetricFamily, "Requests the upstream is answering.", "in_flight"),
+            ("upstream_requests", CounterMetricFamily, "Requests sent to the upstream.", "requests"),
+            ("upstream_prompt_tokens", CounterMetricFamily, "Prompt tokens the upstream reported.", "prompt_tokens"),
+            (
+                "upstream_cached_tokens",
+                CounterMetricFamily,
+                "Prompt tokens the upstream reported served from its own prefix cache.",
+                "cached_tokens",
+            ),
+        ):
+            samples = [
+                ([upstream.url], int(upstream.failures == 0) if attribute is None else getattr(upstream, attribute))
+                for upstream in upstreams
+            ]
+            yield _family(kind, f"prefixgate_{name}", help_text, ["upstream"], samples)
 
     def _tenant_counters(self, tenants: dict[str, TenantStats]) -> Iterator[Metric]:
         for counted, help_text in (

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
+from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, PromptRequest, Usage
 from prefixgate.proxy.reply import Pieces, Reply, ReplyUsage
 
@@ -150,23 +151,11 @@ class ServerTarget:
     # -- HTTP -----------------------------------------------------------------------------------------------------
 
     def _body(self, request: PromptRequest, *, stream: bool) -> dict[str, Any]:
-        params = request.params
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "layout": request.layout,
-        }
+        body = api.sampling_fields(self.model, request.params) | {"layout": request.layout}
         if request.messages is not None:
             body["messages"] = request.messages
         else:
             body["prompt"] = request.prompt
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.stop:
-            body["stop"] = list(params.stop)
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
         if stream:

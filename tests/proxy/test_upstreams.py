@@ -1,0 +1,159 @@
+"""`prefixgate serve --upstream`: a server in front of OpenAI-compatible upstreams, which here are two prefixgate
+servers on the tiny model, on local ports, all driven over HTTP by the official `openai` client. Routing by prefix,
+canonicalization and layout in front of the upstreams, tenants kept apart, usage passed through, failover, and what
+`/health`, `/metrics` and `/admin/cache` say."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp.test_utils import TestClient
+
+from prefixgate.errors import ConfigError
+from prefixgate.proxy.app import create_app
+from prefixgate.proxy.settings import load_settings
+from tests.proxy.conftest import MODEL, SYSTEM, Serve, ServedApp, sample, scrape
+from tests.services import free_port
+
+ADMIN = {"Authorization": "Bearer sk-admin"}
+Front = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+async def upstreams(serve: Serve, tmp_path: Path) -> list[str]:
+    """Two prefixgate servers on the tiny model, each with its own store: their base URLs."""
+    clients = [await serve(store=tmp_path / f"upstream{index}", api_keys={"sk-up": "front"}) for index in range(2)]
+    return [str(client.make_url("/v1")) for client in clients]
+
+
+@pytest.fixture
+async def front(tmp_path: Path) -> AsyncIterator[Front]:
+    """Start servers in front of upstreams, as `prefixgate serve --upstream URL ...` would."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def start(urls: list[str], **overrides: Any) -> TestClient[Any, Any]:
+        overrides.setdefault("upstream_api_keys", {url: "sk-up" for url in urls})
+        overrides.setdefault("model", MODEL)
+        settings = load_settings(upstream=urls, store=tmp_path / "front", admin_key="sk-admin", **overrides)
+        client: TestClient[Any, Any] = TestClient(ServedApp(create_app(settings)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
+
+
+def openai_client(client: TestClient[Any, Any], api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=api_key, max_retries=0)
+
+
+async def ask(
+    client: TestClient[Any, Any], system: str, question: str, *, api_key: str = "unused", **fields: Any
+) -> Any:
+    return await openai_client(client, api_key).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=6,
+        temperature=0,
+        **fields,
+    )
+
+
+async def per_upstream(client: TestClient[Any, Any]) -> dict[str, dict[str, Any]]:
+    health = await (await client.get("/health")).json()
+    return {state["url"]: state for state in health["upstreams"]}
+
+
+async def test_answers_stream_or_not_with_the_upstreams_usage(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams)
+    first = await ask(client, SYSTEM, "What is the capital of France?")
+    again = await ask(client, SYSTEM, "What is the capital of France?")
+    assert first.choices[0].message.content and again.choices[0].message.content == first.choices[0].message.content
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same upstream, and its own cache
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+
+    stream = await openai_client(client).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == first.usage.prompt_tokens
+
+    text = await openai_client(client).completions.create(model=MODEL, prompt=SYSTEM, max_tokens=4, temperature=0)
+    assert text.choices[0].text and text.usage is not None
+
+    states = await per_upstream(client)
+    assert sum(state["requests"] for state in states.values()) == 4
+    assert sum(state["cached_tokens"] for state in states.values()) >= again.usage.prompt_tokens_details.cached_tokens
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_requests_total") == 4
+    assert sample(metrics, "prefixgate_prefix_cache_hits_by_tier_total", tier="upstream") > 0
+    assert sum(sample(metrics, "prefixgate_upstream_requests_total", upstream=url) for url in upstreams) == 4
+    report = await (await client.get("/admin/cache", headers=ADMIN)).json()
+    assert [state["url"] for state in report["upstreams"]] == upstreams and report["totals"]["requests"] == 4
+    assert (await client.get("/admin/cache/entries", headers=ADMIN)).status == 400  # no cache of its own here
+
+
+async def test_one_prefix_sticks_to_one_upstream_and_distinct_ones_spread(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams)
+    for n in range(4):
+        await ask(client, SYSTEM, f"Question {n}?")
+    assert sorted(state["requests"] for state in (await per_upstream(client)).values()) == [0, 4]
+    for n in range(4):
+        await ask(client, f"You are assistant number {n}. " * 8, "Hello?")
+    assert all(state["requests"] >= 2 for state in (await per_upstream(client)).values())
+
+
+async def test_timestamped_system_prompts_reach_the_upstream_with_one_prefix(
+    front: Front, upstreams: list[str]
+) -> None:
+    client = await front(upstreams)
+    await ask(client, f"Now: 2026-12-01T09:14:07Z. {SYSTEM}", "Hi?")
+    later = await ask(client, f"Now: 2026-12-01T09:15:52Z. {SYSTEM}", "Hi?")
+    assert later.usage.prompt_tokens_details.cached_tokens > 0  # layout moved the time out of the prefix
+
+
+async def test_tenants_never_share_an_upstreams_cache(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams, api_keys={"sk-a": "acme", "sk-b": "globex"})
+    await ask(client, SYSTEM, "Hi?", api_key="sk-a")
+    assert (await ask(client, SYSTEM, "Hi?", api_key="sk-b")).usage.prompt_tokens_details.cached_tokens == 0
+    assert (await ask(client, SYSTEM, "Hi?", api_key="sk-a")).usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_a_dead_upstream_is_skipped_and_health_says_degraded(front: Front, upstreams: list[str]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    client = await front([upstreams[0], dead], upstream_api_keys={upstreams[0]: "sk-up"})
+    for n in range(3):
+        assert (await ask(client, f"Prompt {n}. " * 20, "Hi?")).choices[0].message.content is not None
+    health = await client.get("/health")
+    body = await health.json()
+    assert health.status == 200 and body["status"] == "degraded"
+    states = {state["url"]: state for state in body["upstreams"]}
+    assert not states[dead]["available"] and states[upstreams[0]]["available"]
+
+
+async def test_an_upstreams_client_error_comes_back_as_it_wrote_it(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await ask(client, SYSTEM * 40, "Hi?")  # longer than the tiny model's context
+    assert raised.value.code == "context_length_exceeded"
+    assert all(state["available"] for state in (await per_upstream(client)).values())  # the client's fault
+
+
+async def test_the_upstreams_must_answer_and_serve_the_model_at_start(front: Front, upstreams: list[str]) -> None:
+    with pytest.raises(ConfigError, match=f"serve {MODEL}, not 'gpt-4o'; start with --model"):
+        await front(upstreams, model="gpt-4o")
+    with pytest.raises(ConfigError, match="no upstream answers"):
+        await front([f"http://127.0.0.1:{free_port()}/v1"])

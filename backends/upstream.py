@@ -120,8 +120,9 @@ class UpstreamStream:
         try:
             data = await anext(self._lines)
         except StopAsyncIteration:
-            self._done = True
-            return
+            # Every OpenAI-compatible server ends a stream with [DONE]: without it, the upstream went away.
+            self._ok = False
+            raise UpstreamError(f"upstream {self.upstream.url} closed its answer before the end") from None
         except (aiohttp.ClientError, TimeoutError) as error:
             self._ok = False
             raise UpstreamError(f"upstream {self.upstream.url} broke off its answer: {error!r}") from error

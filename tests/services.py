@@ -28,10 +28,10 @@ def free_port() -> int:
 
 
 class Server:
-    """A `prefixgate serve` process on a free local port, with its store in `store`."""
+    """A `prefixgate serve` process on a free local port (or `port`), with its store in `store`."""
 
-    def __init__(self, store: Path, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, store: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--port", str(self.port)]
         env = {key: value for key, value in os.environ.items() if not key.startswith("PREFIXGATE_")}

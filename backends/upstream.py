@@ -183,12 +183,8 @@ class UpstreamPool:
                 stream = await self._open(route, endpoint, body)
             except UpstreamError as error:
                 tried.append(route.upstream)
-                if not error.retryable or len(tried) > 1:
+                if not error.retryable or len(tried) > 1 or len(tried) == len(self.router.upstreams):
                     raise
-                try:
-                    self.router.choose(keys, hint, exclude=tried)
-                except LookupError:
-                    raise error from None
                 continue
             self.router.sent(route.upstream, keys)
             return stream

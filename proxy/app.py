@@ -203,8 +203,8 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: "ok"; "degraded" while the remote tier does not answer (requests go on without it); 503
-    "unavailable" once the model has stopped."""
+    """GET /health: "ok"; "degraded" while the remote tier, or some upstream, does not answer (requests go on
+    without it); 503 "unavailable" once the model has stopped, or while no upstream answers."""
     engine = request.app[ENGINE]
     if isinstance(engine, UpstreamEngine):
         return _upstream_health(engine)

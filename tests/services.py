@@ -27,6 +27,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """Return a free port for a Redis Cluster node: its bus port, 10000 above it, must be a free port too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 class Server:
     """A `prefixgate serve` process on a free local port (or `port`), with its store in `store`."""
 
@@ -72,10 +86,10 @@ class Server:
 class RedisServer:
     """A real redis-server on a free port, with no persistence, that a test may stop and start again on that port."""
 
-    def __init__(self, folder: Path, *options: str) -> None:
+    def __init__(self, folder: Path, *options: str, port: int | None = None) -> None:
         assert REDIS_SERVER is not None
         self.folder = folder
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
         self.options = options
         self._process: subprocess.Popen[bytes] | None = None
@@ -121,7 +135,8 @@ class RedisClusterNodes:
         for index in range(count):
             node_folder = folder / f"node{index}"
             node_folder.mkdir(parents=True)
-            self.nodes.append(RedisServer(node_folder, "--cluster-enabled", "yes", "--masterauth", PASSWORD))
+            options = ("--cluster-enabled", "yes", "--masterauth", PASSWORD)
+            self.nodes.append(RedisServer(node_folder, *options, port=free_cluster_port()))
         self.urls = tuple(node.url.removesuffix("/0") for node in self.nodes)  # a cluster has database 0 only
 
     def start(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from prefixgate.backends.router import PrefixRouter, Route, Upstream
+from prefixgate.backends.router import DEFAULT_BALANCE_ABS, PrefixRouter, Route, Upstream
 from prefixgate.errors import PrefixgateError
 
 DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds to open a connection to an upstream
@@ -154,14 +154,14 @@ class UpstreamPool:
         self,
         upstreams: Sequence[UpstreamConfig],
         *,
-        router: PrefixRouter | None = None,
+        balance: int = DEFAULT_BALANCE_ABS,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         first_chunk_timeout: float = DEFAULT_FIRST_CHUNK_TIMEOUT,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.configs = {config.url.rstrip("/"): config for config in upstreams}
-        self.router = router or PrefixRouter(list(self.configs), clock=clock)
+        self.router = PrefixRouter(list(self.configs), balance_abs=balance, clock=clock)
         self._timeout = aiohttp.ClientTimeout(
             sock_connect=connect_timeout, sock_read=chunk_timeout, total=None, connect=connect_timeout
         )
@@ -179,6 +179,9 @@ class UpstreamPool:
         tried: list[Upstream] = []
         while True:
             route = self.router.choose(keys, hint, exclude=tried)
+            # Recorded now, not at the first chunk: requests with this prefix that arrive while it computes it go
+            # there too (unless it is busy), as they would once it holds it. A failure makes the router forget it.
+            self.router.sent(route.upstream, keys)
             try:
                 stream = await self._open(route, endpoint, body)
             except UpstreamError as error:
@@ -186,7 +189,6 @@ class UpstreamPool:
                 if not error.retryable or len(tried) > 1 or len(tried) == len(self.router.upstreams):
                     raise
                 continue
-            self.router.sent(route.upstream, keys)
             return stream
 
     async def models(self, upstream: Upstream) -> list[str]:

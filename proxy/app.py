@@ -70,7 +70,12 @@ async def build_engine(settings: Settings) -> AnyEngine:
         secret = await asyncio.to_thread(load_or_create_secret, folder) if folder is not None else os.urandom(32)
         configs = [UpstreamConfig(url, settings.upstream_api_keys.get(url)) for url in settings.upstream]
         return await UpstreamEngine.open(
-            configs, settings.model, secret=secret, patterns=patterns, layout=settings.layout
+            configs,
+            settings.model,
+            secret=secret,
+            patterns=patterns,
+            layout=settings.layout,
+            balance=settings.upstream_balance,
         )
     backend = await asyncio.to_thread(
         HFBackend.load,

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     upstream_api_keys: dict[str, str] = Field(
         default_factory=dict, description="upstream URL -> the API key prefixgate sends it; none: no key"
     )
+    upstream_balance: PositiveInt = Field(
+        4,
+        description="requests in flight an upstream may have beyond the least loaded one (and 1.5 times as many) "
+        "before a request that would go to it for its prefix goes to the least loaded one instead",
+    )
     remote_ttl: PositiveFloat = Field(24 * 3600.0, description="seconds a block lives in Redis")
     remote_timeout: PositiveFloat = Field(
         0.25, description="seconds a lookup waits for Redis before it goes on without it"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prefixgate.backends import FinishReason, TokenChunk
-from prefixgate.backends.router import text_keys
+from prefixgate.backends.router import DEFAULT_BALANCE_ABS, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
 from prefixgate.errors import ConfigError
 from prefixgate.proxy import openai_api as api
@@ -80,10 +80,11 @@ class UpstreamEngine:
         secret: bytes,
         patterns: Sequence[DynamicPattern] = DEFAULT_PATTERNS,
         layout: bool = True,
+        balance: int = DEFAULT_BALANCE_ABS,
     ) -> UpstreamEngine:
         """Return an engine over the upstreams, once one of them says it serves `model_id`; raise ConfigError if none
         does, naming what they serve."""
-        pool = UpstreamPool(upstreams)
+        pool = UpstreamPool(upstreams, balance=balance)
         served: set[str] = set()
         problems = []
         for upstream in pool.router.upstreams:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,29 @@ def tiny_engine(
 
 
 Serve = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+HANG_GUARD_SECONDS = 60  # only a broken build waits this long
+
+
+class HeldSteps(list[StepRecord]):
+    """Record each model step; hold the model thread after the first step of a chosen kind until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold_kind: str | None = None
+        self.reached = threading.Event()
+        self.released = threading.Event()
+
+    def append(self, record: StepRecord) -> None:
+        super().append(record)
+        if self.hold_kind is not None and record.tokens(self.hold_kind) and not self.reached.is_set():
+            self.reached.set()
+            assert self.released.wait(HANG_GUARD_SECONDS), "the test never released the model thread"
+
+    async def held(self) -> int:
+        """Wait until the model thread is held; return the steps run so far."""
+        assert await asyncio.to_thread(self.reached.wait, HANG_GUARD_SECONDS), "no step of that kind ran"
+        return len(self)
 
 
 class ServedApp(TestServer):

@@ -7,7 +7,6 @@ learns that the server has dropped the request from the request's own hand-off b
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,31 +14,9 @@ import pytest
 
 from prefixgate.backends import StepRecord
 from prefixgate.backends.handoff import LoopHandoff
-from tests.proxy.conftest import MODEL, Serve, engine_of
+from tests.proxy.conftest import HANG_GUARD_SECONDS, MODEL, HeldSteps, Serve, engine_of
 
 LONG = "the quick brown fox jumps over the lazy dog " * 60  # several hundred tokens: dozens of 16-token chunks
-HANG_GUARD_SECONDS = 60  # only a broken build waits this long
-
-
-class HeldSteps(list[StepRecord]):
-    """Record each model step; hold the model thread after the first step of a chosen kind until released."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hold_kind: str | None = None
-        self.reached = threading.Event()
-        self.released = threading.Event()
-
-    def append(self, record: StepRecord) -> None:
-        super().append(record)
-        if self.hold_kind is not None and record.tokens(self.hold_kind) and not self.reached.is_set():
-            self.reached.set()
-            assert self.released.wait(HANG_GUARD_SECONDS), "the test never released the model thread"
-
-    async def held(self) -> int:
-        """Wait until the model thread is held; return the steps run so far."""
-        assert await asyncio.to_thread(self.reached.wait, HANG_GUARD_SECONDS), "no step of that kind ran"
-        return len(self)
 
 
 @pytest.fixture

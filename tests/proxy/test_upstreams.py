@@ -5,6 +5,8 @@ canonicalization and layout in front of the upstreams, tenants kept apart, usage
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,13 +16,28 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.app import create_app
+from prefixgate.proxy.app import ENGINE, create_app
 from prefixgate.proxy.settings import load_settings
-from tests.proxy.conftest import MODEL, SYSTEM, Serve, ServedApp, sample, scrape
+from prefixgate.proxy.upstream_engine import UpstreamEngine
+from tests.proxy.conftest import (
+    HANG_GUARD_SECONDS,
+    MODEL,
+    SYSTEM,
+    HeldSteps,
+    Serve,
+    ServedApp,
+    sample,
+    scrape,
+)
 from tests.services import free_port
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 Front = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+def steps() -> HeldSteps:
+    return HeldSteps()
 
 
 @pytest.fixture
@@ -114,6 +131,27 @@ async def test_one_prefix_sticks_to_one_upstream_and_distinct_ones_spread(front:
     for n in range(4):
         await ask(client, f"You are assistant number {n}. " * 8, "Hello?")
     assert all(state["requests"] >= 2 for state in (await per_upstream(client)).values())
+
+
+async def test_a_burst_of_one_prefix_spills_to_the_idle_upstream_once_its_own_is_busy(
+    front: Front, upstreams: list[str], steps: HeldSteps
+) -> None:
+    client = await front(upstreams, upstream_balance=2)
+    steps.hold_kind = "prefill"  # the model of the upstream that takes the first request stops after one step
+    first = asyncio.create_task(ask(client, SYSTEM, "Question 0?"))
+    await steps.held()
+    burst = [asyncio.create_task(ask(client, SYSTEM, f"Question {n}?")) for n in range(1, 5)]
+    engine = client.server.app[ENGINE]
+    assert isinstance(engine, UpstreamEngine)
+    router = engine.pool.router
+    deadline = time.monotonic() + HANG_GUARD_SECONDS
+    while sum(upstream.requests for upstream in router.upstreams) < 5:  # every request of the burst is routed
+        assert time.monotonic() < deadline, "the burst was never routed"
+        await asyncio.sleep(0.01)
+    held, idle = sorted(router.upstreams, key=lambda upstream: -upstream.in_flight)
+    steps.released.set()
+    await asyncio.gather(first, *burst)
+    assert held.requests >= 2 and idle.requests >= 1  # it took the burst's share the held one was too busy for
 
 
 async def test_timestamped_system_prompts_reach_the_upstream_with_one_prefix(

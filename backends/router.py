@@ -14,8 +14,9 @@ of its keys, the way the cache-aware routers of vLLM's production stack and SGLa
   than the least loaded one and `balance_rel` times as many, the least loaded one takes it (a hot prefix spreads
   once its replica is saturated, rather than piling up).
 
-Only healthy upstreams are chosen. One that fails is out of rotation until its backoff is over (doubling with each
-failure in a row, on an injected clock); then it takes requests again, and the first that succeeds makes it healthy.
+Only healthy upstreams are chosen. One that fails, a request or a health check, is out of rotation until its backoff
+is over (doubling with each failure in a row, on an injected clock) or a health check finds it answering again; after
+its backoff it takes requests again, and the first that succeeds makes it healthy.
 The table of keys is bounded (`max_keys`, least recently used go first), so memory does not grow with traffic.
 The router holds no locks: call it from one event loop.
 """
@@ -75,6 +76,7 @@ class Route:
     matched: int  # leading keys of the prompt the upstream was sent before
     total: int  # keys of the prompt
     reason: str  # "prefix", "hint", "spread" or "load"
+    displaced: Upstream | None = None  # for "load": the upstream chosen before its load sent the request elsewhere
 
 
 class PrefixRouter:
@@ -106,16 +108,24 @@ class PrefixRouter:
         self._held: OrderedDict[bytes, dict[Upstream, int]] = OrderedDict()
         self._misses = 0
 
-    def choose(self, keys: Sequence[bytes], hint: str | None = None, *, exclude: Sequence[Upstream] = ()) -> Route:
+    def choose(
+        self,
+        keys: Sequence[bytes],
+        hint: str | None = None,
+        *,
+        exclude: Sequence[Upstream] = (),
+        record: bool = True,
+    ) -> Route:
         """Return where a prompt with these keys goes; raise LookupError when no upstream may take it now.
 
-        `exclude` leaves out upstreams already tried for this request.
+        `exclude` leaves out upstreams already tried for this request; `record=False` leaves the router as it was
+        (for a dry run: a miss it routes does not move the spread on).
         """
         now = self._clock()
         candidates = [upstream for upstream in self.upstreams if upstream.usable(now) and upstream not in exclude]
         if not candidates:
             raise LookupError("no upstream is available: every one failed recently and is waiting out its backoff")
-        matched = {upstream: self._run(keys, upstream) for upstream in candidates}
+        matched = self.matched(keys, candidates)
         best = max(candidates, key=lambda upstream: (matched[upstream], -upstream.in_flight))
         if keys and matched[best] >= self.cache_threshold * len(keys):
             chosen, reason = best, "prefix"
@@ -124,15 +134,20 @@ class PrefixRouter:
         else:
             chosen, reason = min(candidates, key=lambda upstream: (upstream.last_miss, upstream.in_flight)), "spread"
         idlest = min(candidates, key=lambda upstream: upstream.in_flight)
+        displaced = None
         if (
             chosen.in_flight - idlest.in_flight >= self.balance_abs
             and chosen.in_flight >= self.balance_rel * idlest.in_flight
         ):
-            chosen, reason = idlest, "load"
-        if reason != "prefix":
+            chosen, reason, displaced = idlest, "load", chosen
+        if reason != "prefix" and record:
             self._misses += 1
             chosen.last_miss = self._misses
-        return Route(chosen, matched[chosen], len(keys), reason)
+        return Route(chosen, matched[chosen], len(keys), reason, displaced)
+
+    def matched(self, keys: Sequence[bytes], upstreams: Sequence[Upstream] | None = None) -> dict[Upstream, int]:
+        """Return how many leading `keys` each upstream (every one by default) was sent."""
+        return {upstream: self._run(keys, upstream) for upstream in upstreams or self.upstreams}
 
     def sent(self, upstream: Upstream, keys: Sequence[bytes]) -> None:
         """Record that `upstream` was sent a prompt with these keys: from now on it likely holds that prefix."""
@@ -154,6 +169,11 @@ class PrefixRouter:
     def finished(self, upstream: Upstream, *, ok: bool) -> None:
         """Count a request that ended; one that failed takes its upstream out of rotation for a backoff."""
         upstream.in_flight -= 1
+        self.checked(upstream, ok=ok)
+
+    def checked(self, upstream: Upstream, *, ok: bool) -> None:
+        """Record whether `upstream` answered, a request or a health check: one that answered is in rotation; one
+        that failed is out of it for a backoff, and what it was sent is forgotten (a restart empties its cache)."""
         if ok:
             upstream.failures = 0
             return

@@ -125,7 +125,7 @@ class UpstreamStream:
             raise UpstreamError(f"upstream {self.upstream.url} closed its answer before the end") from None
         except (aiohttp.ClientError, TimeoutError) as error:
             self._ok = False
-            raise UpstreamError(f"upstream {self.upstream.url} broke off its answer: {error!r}") from error
+            raise UpstreamError(f"upstream {self.upstream.url} broke off its answer: {_why(error)}") from error
         if data == "[DONE]":
             self._done = True
             return
@@ -166,6 +166,7 @@ class UpstreamPool:
             sock_connect=connect_timeout, sock_read=chunk_timeout, total=None, connect=connect_timeout
         )
         self._first_chunk_timeout = first_chunk_timeout
+        self._check_timeout = aiohttp.ClientTimeout(total=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
 
     async def open(
@@ -192,15 +193,20 @@ class UpstreamPool:
             return stream
 
     async def models(self, upstream: Upstream) -> list[str]:
-        """Return the model ids an upstream serves (`GET /models`); raise UpstreamError when it does not answer."""
+        """Return the model ids an upstream serves (`GET /models`, within the connect timeout); raise UpstreamError
+        when it does not answer, or not with a list of models."""
         try:
-            async with self._client().get(f"{upstream.url}/models", headers=self._headers(upstream)) as response:
+            async with self._client().get(
+                f"{upstream.url}/models", headers=self._headers(upstream), timeout=self._check_timeout
+            ) as response:
                 if response.status != 200:
                     raise UpstreamError(f"upstream {upstream.url} answered /models with {response.status}")
                 listing = await response.json()
+            return [str(entry["id"]) for entry in listing["data"]]
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-            raise UpstreamError(f"upstream {upstream.url} did not answer /models: {error!r}") from error
-        return [str(entry["id"]) for entry in listing.get("data", ())]
+            raise UpstreamError(f"upstream {upstream.url} did not answer /models: {_why(error)}") from error
+        except (KeyError, TypeError) as error:
+            raise UpstreamError(f"upstream {upstream.url} answered /models without a list of models") from error
 
     async def close(self) -> None:
         """Close every connection."""
@@ -217,7 +223,7 @@ class UpstreamPool:
             )
         except (aiohttp.ClientError, TimeoutError) as error:
             self.router.finished(upstream, ok=False)
-            raise UpstreamError(f"upstream {upstream.url} did not answer: {error!r}") from error
+            raise UpstreamError(f"upstream {upstream.url} did not answer: {_why(error)}") from error
         if response.status != 200:
             refused = await _error(upstream, response)
             self.router.finished(upstream, ok=not refused.retryable)
@@ -266,6 +272,10 @@ async def _error(upstream: Upstream, response: aiohttp.ClientResponse) -> Upstre
         return UpstreamError(f"upstream {upstream.url} answered {response.status}: {text}", status=response.status)
     message = body["error"].get("message", "")
     return UpstreamError(f"upstream {upstream.url}: {message}", status=response.status, body=body)
+
+
+def _why(error: Exception) -> str:
+    return str(error) or type(error).__name__  # a timeout says nothing of itself
 
 
 def _usage(usage: dict[str, Any]) -> UpstreamUsage:

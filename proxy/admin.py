@@ -38,7 +38,7 @@ from prefixgate.proxy.cache_report import (
 )
 from prefixgate.proxy.dashboard import dashboard
 from prefixgate.proxy.engine import Engine, PromptRequest
-from prefixgate.proxy.explain import explanation_body
+from prefixgate.proxy.explain import explanation_body, route_explanation_body
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import Block, BlockKey, EntryInfo, TieredStore, TierStats
 from prefixgate.store.redis_tier import RedisStats, RedisUsage
@@ -182,7 +182,7 @@ async def warm(request: web.Request) -> web.Response:
     """POST /admin/cache/warm: precompute and store a prompt's blocks without generating."""
     params.query(request)
     body = await params.parse_prompt_body(request, ChatWarmRequest, TextWarmRequest)
-    engine, prompt = _prompt(request, body)
+    engine, prompt = local_engine(request), _prompt(request, body)
     result = await _naming_messages(body, engine.warm(prompt, pinned=body.pinned, ttl=body.ttl))
     _audit(request, "warm", tenant=prompt.tenant, pinned=body.pinned, ttl=body.ttl, tokens=result.prompt_tokens)
     return web.json_response(
@@ -199,10 +199,15 @@ async def warm(request: web.Request) -> web.Response:
 
 
 async def explain(request: web.Request) -> web.Response:
-    """POST /admin/cache/explain: a dry run of a request against the cache, explaining every miss."""
+    """POST /admin/cache/explain: a dry run of a request against the cache, explaining every miss; in front of
+    upstreams, which upstream it would go to, and why."""
     params.query(request)
     body = await params.parse_prompt_body(request, ChatExplainRequest, TextExplainRequest)
-    engine, prompt = _prompt(request, body)
+    engine, prompt = request.config_dict[ENGINE], _prompt(request, body)
+    if isinstance(engine, UpstreamEngine):
+        routed = await _naming_messages(body, engine.explain(prompt))
+        _audit(request, "explain", tenant=prompt.tenant, upstream=routed.route and routed.route.upstream.url)
+        return web.json_response(route_explanation_body(routed))
     explanation = await _naming_messages(body, engine.explain(prompt))
     _audit(request, "explain", tenant=prompt.tenant, cached=explanation.cached_tokens)
     return web.json_response(explanation_body(explanation))
@@ -254,13 +259,13 @@ def _audit(request: web.Request, action: str, **details: Any) -> None:
 # -- helpers of the handlers --------------------------------------------------------------------------------------
 
 
-def _prompt(request: web.Request, body: ExplainRequest) -> tuple[Engine, PromptRequest]:
-    """Return the engine and the engine's request for a warm or explain body, as the named tenant would send it."""
-    engine = local_engine(request)
-    if body.model != engine.backend.model_id:
-        raise ModelNotServed(body.model, engine.backend.model_id)
+def _prompt(request: web.Request, body: ExplainRequest) -> PromptRequest:
+    """Return the engine's request for a warm or explain body, as the named tenant would send it."""
+    served = request.config_dict[ENGINE].model_id
+    if body.model != served:
+        raise ModelNotServed(body.model, served)
     tenant = params.acting_tenant(body.tenant, sorted(set(request.config_dict[SETTINGS].api_keys.values())))
-    return engine, body.to_prompt_request(tenant)
+    return body.to_prompt_request(tenant)
 
 
 async def _naming_messages(body: ExplainRequest, call: Awaitable[_Result]) -> _Result:

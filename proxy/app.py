@@ -76,6 +76,7 @@ async def build_engine(settings: Settings) -> AnyEngine:
             patterns=patterns,
             layout=settings.layout,
             balance=settings.upstream_balance,
+            check_interval=settings.upstream_check_interval,
         )
     backend = await asyncio.to_thread(
         HFBackend.load,

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prefixgate.backends import Backend
+from prefixgate.backends.router import BLOCK_CHARS, Route, Upstream
 from prefixgate.proxy.layout import STATIC_ROLES, DynamicMatch, DynamicPattern, MovedValue, find_dynamic
 from prefixgate.store import Block, BlockKey, TieredStore, chain_keys
 
 if TYPE_CHECKING:
     from prefixgate.proxy.engine import PreparedPrompt
+    from prefixgate.proxy.upstream_engine import Forward
 
 # What a value found by each default pattern is called in an explanation.
 _WORDS = {"datetime": "timestamp", "date": "date", "time": "time", "uuid": "UUID", "request_id": "request id"}
@@ -57,6 +60,91 @@ class Explanation:
     moved: tuple[MovedValue, ...]
     departure: Departure | None  # None on a full hit, or when nothing can be cached
     summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteExplanation:
+    """A dry run of one request in front of upstreams: where it would go now, and why. Nothing is sent or recorded."""
+
+    tenant: str
+    messages: list[dict[str, Any]] | None  # as they would be sent: canonical and laid out
+    layout: bool
+    moved: tuple[MovedValue, ...]
+    characters: int  # of the prompt's text, as the router cuts it into keys
+    hint: str | None  # the request's prompt_cache_key, or else its user
+    route: Route | None  # None while no upstream may take a request
+    matched: dict[Upstream, int]  # leading keys of the prompt each upstream was sent before
+    summary: str
+
+
+def explain_route(
+    forward: Forward, hint: str | None, route: Route | LookupError, matched: dict[Upstream, int], threshold: float
+) -> RouteExplanation:
+    """Return the explanation of where the router sends a request (or why it can send it nowhere now)."""
+    characters = forward.characters
+    explanation = partial(
+        RouteExplanation,
+        forward.tenant,
+        forward.body.get("messages"),
+        forward.layout,
+        forward.moved,
+        characters,
+        hint,
+        matched=matched,
+    )
+    if isinstance(route, LookupError):
+        return explanation(route=None, summary=str(route))
+    if route.reason == "prefix":
+        held = _characters(route.matched, characters)
+        why = f"it was sent the first {held} of the prompt's {characters} characters before, so it likely holds them"
+    elif route.reason == "load":
+        assert route.displaced is not None
+        busy, here = route.displaced.in_flight, route.upstream.in_flight
+        why = f"{route.displaced.url} comes first for the prompt, but has {busy} requests in flight against {here} here"
+    else:
+        how = (
+            "the request's prompt_cache_key (or user) picks it, as it does for every request that shares it"
+            if route.reason == "hint"
+            else "it took a new prompt longest ago, so new prompts spread"
+        )
+        why = f"no upstream was sent {threshold:.0%} or more of the prompt before, and {how}"
+    return explanation(route=route, summary=f"{route.upstream.url} would take it: {why}")
+
+
+def route_explanation_body(explanation: RouteExplanation) -> dict[str, Any]:
+    """Return a route explanation as JSON."""
+    route = explanation.route
+    characters = explanation.characters
+    return {
+        "object": "route.explanation",
+        "tenant": explanation.tenant,
+        "messages": explanation.messages,
+        "layout": _layout_body(explanation.layout, explanation.moved),
+        "prompt_characters": characters,
+        "hint": explanation.hint,
+        "route": None
+        if route is None
+        else {
+            "upstream": route.upstream.url,
+            "reason": route.reason,
+            "matched_characters": _characters(route.matched, characters),
+            "displaced": route.displaced.url if route.displaced is not None else None,
+        },
+        "upstreams": [
+            {
+                "url": upstream.url,
+                "available": upstream.failures == 0,
+                "in_flight": upstream.in_flight,
+                "matched_characters": _characters(keys, characters),
+            }
+            for upstream, keys in explanation.matched.items()
+        ],
+        "summary": explanation.summary,
+    }
+
+
+def _characters(keys: int, characters: int) -> int:
+    return min(keys * BLOCK_CHARS, characters)
 
 
 def explain_prompt(
@@ -111,13 +199,7 @@ def explanation_body(explanation: Explanation) -> dict[str, Any]:
         "cached_tokens_by_tier": explanation.tokens_by_tier,
         "messages": explanation.messages,
         "canonicalized": list(explanation.canonicalized),
-        "layout": {
-            "enabled": explanation.layout,
-            "moved": [
-                {"pattern": moved.pattern, "value": moved.value, "message": moved.message, "character": moved.start}
-                for moved in explanation.moved
-            ],
-        },
+        "layout": _layout_body(explanation.layout, explanation.moved),
         "departure": None
         if departure is None
         else {
@@ -311,6 +393,16 @@ def _where(message: int | None, role: str | None) -> str:
     if role in STATIC_ROLES:
         return f"the {role} prompt" if message == 0 else f"the {role} message {message}"
     return f"message {message} ({role})" if role else "the prompt"
+
+
+def _layout_body(enabled: bool, moved: Sequence[MovedValue]) -> dict[str, Any]:
+    return {
+        "enabled": enabled,
+        "moved": [
+            {"pattern": value.pattern, "value": value.value, "message": value.message, "character": value.start}
+            for value in moved
+        ],
+    }
 
 
 def _summary(backend: Backend, prompt: int, reusable: int, cached: int, size: int, departure: Departure | None) -> str:

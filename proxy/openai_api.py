@@ -235,8 +235,6 @@ def sampling_fields(model: str, params: SamplingParams) -> dict[str, Any]:
         body["seed"] = params.seed
     if params.stop:
         body["stop"] = list(params.stop)
-    if params.n != 1:
-        body["n"] = params.n
     return body
 
 

@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         description="requests in flight an upstream may have beyond the least loaded one (and 1.5 times as many) "
         "before a request that would go to it for its prefix goes to the least loaded one instead",
     )
+    upstream_check_interval: PositiveFloat = Field(
+        5.0,
+        description="seconds between health checks of the upstreams (GET /models): one that fails leaves rotation, "
+        "one that answers again comes back",
+    )
     remote_ttl: PositiveFloat = Field(24 * 3600.0, description="seconds a block lives in Redis")
     remote_timeout: PositiveFloat = Field(
         0.25, description="seconds a lookup waits for Redis before it goes on without it"

@@ -12,8 +12,10 @@ salted prefixes apart; prefixgate upstreams do too), so tenants never share an u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prefixgate.backends import FinishReason, TokenChunk
-from prefixgate.backends.router import DEFAULT_BALANCE_ABS, text_keys
+from prefixgate.backends.router import DEFAULT_BALANCE_ABS, Route, Upstream, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
-from prefixgate.errors import ConfigError
+from prefixgate.errors import ConfigError, RequestError
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -33,8 +35,13 @@ from prefixgate.proxy.canonicalize import (
     canonicalize_tools,
 )
 from prefixgate.proxy.engine import PromptRequest, Usage
+from prefixgate.proxy.explain import RouteExplanation, explain_route
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.statistics import CACHED_BY_UPSTREAMS, EngineStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHECK_INTERVAL = 5.0  # seconds between health checks of the upstreams
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +51,8 @@ class Forward:
     endpoint: str  # "chat/completions" or "completions"
     body: dict[str, Any]
     keys: tuple[bytes, ...]
+    characters: int  # of the text the keys cut
+    layout: bool  # whether layout ran
     moved: tuple[MovedValue, ...]
     tenant: str
 
@@ -70,6 +79,7 @@ class UpstreamEngine:
         self._rules = rules
         self._patterns = tuple(patterns)
         self._layout = layout
+        self._checker: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(
@@ -81,25 +91,42 @@ class UpstreamEngine:
         patterns: Sequence[DynamicPattern] = DEFAULT_PATTERNS,
         layout: bool = True,
         balance: int = DEFAULT_BALANCE_ABS,
+        check_interval: float = DEFAULT_CHECK_INTERVAL,
     ) -> UpstreamEngine:
-        """Return an engine over the upstreams, once one of them says it serves `model_id`; raise ConfigError if none
-        does, naming what they serve."""
+        """Return an engine over the upstreams, checking them every `check_interval` seconds, once one of them says
+        it serves `model_id`; raise ConfigError if none does, naming what they serve."""
         pool = UpstreamPool(upstreams, balance=balance)
-        served: set[str] = set()
-        problems = []
-        for upstream in pool.router.upstreams:
-            try:
-                served.update(await pool.models(upstream))
-            except UpstreamError as error:
-                problems.append(str(error))
-        if model_id not in served:
-            await pool.close()
+        engine = cls(pool, model_id, secret=secret, patterns=patterns, layout=layout)
+        answers = await engine.check()
+        if not any(upstream.failures == 0 for upstream in answers):
+            await engine.close()
+            served = sorted({model for answer in answers.values() if isinstance(answer, list) for model in answer})
             if not served:
-                raise ConfigError(f"no upstream answers: {'; '.join(problems)}")
+                raise ConfigError(f"no upstream answers: {'; '.join(str(answer) for answer in answers.values())}")
             raise ConfigError(
-                f"the upstreams serve {', '.join(sorted(served))}, not {model_id!r}; start with --model set to one"
+                f"the upstreams serve {', '.join(served)}, not {model_id!r}; start with --model set to one"
             )
-        return cls(pool, model_id, secret=secret, patterns=patterns, layout=layout)
+        engine._checker = asyncio.create_task(engine._check_every(check_interval))
+        return engine
+
+    async def check(self) -> dict[Upstream, list[str] | UpstreamError]:
+        """Ask every upstream at once what it serves (`GET /models`); return what each answered.
+
+        One that does not answer, or no longer serves the model, leaves rotation; one that does is back in it.
+        """
+        upstreams = self.pool.router.upstreams
+        answers = await asyncio.gather(*(self._models(upstream) for upstream in upstreams))
+        for upstream, answer in zip(upstreams, answers, strict=True):
+            ok = isinstance(answer, list) and self.model_id in answer
+            if ok != (upstream.failures == 0):
+                if ok:
+                    log.info("upstream %s answers again: back in rotation", upstream.url)
+                elif isinstance(answer, UpstreamError):
+                    log.warning("%s: out of rotation", answer)
+                else:
+                    log.warning("upstream %s serves %s, not %s: out of rotation", upstream.url, answer, self.model_id)
+            self.pool.router.checked(upstream, ok=ok)
+        return dict(zip(upstreams, answers, strict=True))
 
     async def generate(self, request: PromptRequest) -> UpstreamGeneration:
         """Send a request to its upstream and return the stream once its first chunk is in (errors surface here)."""
@@ -116,18 +143,49 @@ class UpstreamEngine:
             raise
         return UpstreamGeneration(self, f"pg-{uuid.uuid4().hex[:24]}", forward, stream, started)
 
+    async def explain(self, request: PromptRequest) -> RouteExplanation:
+        """Dry-run a request: how it is laid out, which upstream it would go to now, and why. Nothing is sent."""
+        forward = await asyncio.to_thread(self._prepare, request)
+        router = self.pool.router
+        try:
+            route: Route | LookupError = router.choose(forward.keys, request.hint, record=False)
+        except LookupError as error:
+            route = error
+        return explain_route(forward, request.hint, route, router.matched(forward.keys), router.cache_threshold)
+
     async def close(self) -> None:
-        """Close every connection to the upstreams."""
+        """Stop checking the upstreams and close every connection to them."""
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
         await self.pool.close()
+
+    async def _check_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.check()
+
+    async def _models(self, upstream: Upstream) -> list[str] | UpstreamError:
+        try:
+            return await self.pool.models(upstream)
+        except UpstreamError as error:
+            return error
 
     def _prepare(self, request: PromptRequest) -> Forward:
         # No size check of its own: the body limit bounds the text, every rule is linear in it, and the upstream
         # refuses a prompt longer than its context.
+        if request.params.n != 1:  # the answer is rendered as one choice, as the local backend's is
+            raise RequestError(
+                f"this server returns one choice per request (n=1), got n={request.params.n}; send n separate requests",
+                param="n",
+            )
         body = api.sampling_fields(self.model_id, request.params)
         moved: tuple[MovedValue, ...] = ()
+        layout = request.messages is not None and request.layout and self._layout
         if request.messages is not None:
             messages = canonicalize_messages(request.messages, self._rules)
-            if request.layout and self._layout:
+            if layout:
                 laid_out = lay_out(messages, self._patterns)
                 messages, moved = laid_out.messages, laid_out.moved
             tools = canonicalize_tools(request.tools, self._rules)
@@ -144,7 +202,7 @@ class UpstreamEngine:
         if salt is not None:
             body["cache_salt"] = salt.hex()
         keys = tuple(text_keys(text, seed=salt or b""))
-        return Forward(endpoint, body, keys, moved, request.tenant)
+        return Forward(endpoint, body, keys, len(text), layout, moved, request.tenant)
 
     def _salt(self, tenant: str, cache_salt: str | None) -> bytes | None:
         """Return the salt that keeps a tenant's prefixes apart, or None for the anonymous tenant without a salt."""

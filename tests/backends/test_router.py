@@ -73,6 +73,9 @@ def test_a_hot_prefix_spills_to_the_idlest_upstream_once_its_own_is_saturated() 
         routes.append((route.upstream.url, route.reason))
     assert routes == [(A, "prefix"), (A, "prefix"), (B, "load"), (A, "prefix")]
     assert (named(router, A).in_flight, named(router, B).in_flight) == (3, 1)
+    router.started(named(router, A))
+    spilled = router.choose(keys)
+    assert (spilled.upstream.url, spilled.reason, spilled.displaced) == (B, "load", named(router, A))
 
 
 def test_a_failed_upstream_leaves_rotation_for_its_backoff_and_forgets_its_prefixes() -> None:
@@ -96,6 +99,28 @@ def test_a_failed_upstream_leaves_rotation_for_its_backoff_and_forgets_its_prefi
     assert not named(router, A).usable(clock.now)
     clock.advance(0.5)
     assert named(router, A).usable(clock.now)
+
+
+def test_a_health_check_takes_an_upstream_out_and_brings_it_back_before_its_backoff_ends() -> None:
+    clock = FakeClock()
+    router = PrefixRouter([A, B], backoff=60.0, clock=clock)
+    keys = text_keys(SYSTEM)
+    router.sent(named(router, A), keys)
+    router.checked(named(router, A), ok=False)
+    assert router.choose(keys).upstream.url == B and not named(router, A).usable(clock.now)
+    router.checked(named(router, A), ok=True)  # it answers again: no need to wait a minute
+    back = router.choose(keys, exclude=[named(router, B)])
+    assert back.upstream.url == A and back.matched == 0  # its cache may have gone with it
+
+
+def test_a_dry_run_routes_as_a_request_would_and_changes_nothing() -> None:
+    router = PrefixRouter([A, B])
+    prompts = [text_keys(f"Prompt number {n}. " * 60) for n in range(3)]
+    dry = [router.choose(keys, record=False).upstream.url for keys in prompts]
+    assert dry == [dry[0]] * 3  # each dry run sees the router as the one before it left it
+    assert router.choose(prompts[0]).upstream.url == dry[0]
+    assert router.choose(prompts[1]).upstream.url != dry[0]  # a recorded miss moves the spread on
+    assert router.matched(text_keys(SYSTEM)) == {named(router, A): 0, named(router, B): 0}
 
 
 def test_the_table_forgets_the_least_recently_used_keys_first() -> None:

@@ -182,11 +182,79 @@ async def test_a_dead_upstream_is_skipped_and_health_says_degraded(front: Front,
     assert not states[dead]["available"] and states[upstreams[0]]["available"]
 
 
+async def test_a_health_check_finds_a_stopped_upstream_with_no_request_and_brings_it_back(
+    serve: Serve, front: Front, tmp_path: Path
+) -> None:
+    servers = [await serve(store=tmp_path / f"upstream{index}", api_keys={"sk-up": "front"}) for index in range(2)]
+    urls = [str(server.make_url("/v1")) for server in servers]
+    client = await front(urls, upstream_check_interval=3600)  # only the checks this test asks for
+    engine = client.server.app[ENGINE]
+    assert isinstance(engine, UpstreamEngine)
+    stopped, port = urls[1], servers[1].port
+    await servers[1].close()
+    await engine.check()
+    health = await (await client.get("/health")).json()
+    assert health["status"] == "degraded" and not (await per_upstream(client))[stopped]["available"]
+    for n in range(3):  # go on on the other
+        assert (await ask(client, f"Prompt {n}. " * 20, "Hi?")).choices[0].message.content is not None
+
+    await serve(store=tmp_path / "restarted", api_keys={"sk-up": "front"}, port=port)
+    await engine.check()
+    assert (await (await client.get("/health")).json())["status"] == "ok"
+    before = (await per_upstream(client))[stopped]["requests"]
+    for n in range(3, 7):  # distinct prompts spread onto it again
+        await ask(client, f"Prompt {n}. " * 20, "Hi?")
+    assert (await per_upstream(client))[stopped]["requests"] > before
+
+
+async def explain(client: TestClient[Any, Any], system: str, question: str, **fields: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    response = await client.post(
+        "/admin/cache/explain", json={"model": MODEL, "messages": messages} | fields, headers=ADMIN
+    )
+    assert response.status == 200, await response.text()
+    body: dict[str, Any] = await response.json()
+    return body
+
+
+async def test_explain_says_which_upstream_a_request_would_go_to_and_why(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams)
+    fresh = await explain(client, SYSTEM, "Question 0?")
+    assert fresh["object"] == "route.explanation" and fresh["route"]["reason"] == "spread"
+    assert fresh["route"]["matched_characters"] == 0 and fresh["prompt_characters"] > 0
+    await ask(client, SYSTEM, "Question 0?")
+    holder = next(url for url, state in (await per_upstream(client)).items() if state["requests"])
+
+    again = await explain(client, SYSTEM, "Question 1?")
+    assert (again["route"]["upstream"], again["route"]["reason"]) == (holder, "prefix")
+    assert again["route"]["matched_characters"] >= 0.3 * again["prompt_characters"]
+    assert again["summary"].startswith(f"{holder} would take it: it was sent the first")
+    held = {state["url"]: state["matched_characters"] for state in again["upstreams"]}
+    assert held[holder] == again["route"]["matched_characters"] and sum(held.values()) == held[holder]
+    assert (await ask(client, SYSTEM, "Question 1?")).usage.prompt_tokens_details.cached_tokens > 0
+    assert (await per_upstream(client))[holder]["requests"] == 2  # where explain said, and explain sent nothing
+
+    hinted = await explain(client, "Something else entirely. " * 30, "Hi?", prompt_cache_key="user-42")
+    assert hinted["route"]["reason"] == "hint" and hinted["hint"] == "user-42"
+    assert "prompt_cache_key" in hinted["summary"]
+    await ask(client, f"Now: 2026-12-01T09:14:07Z. {SYSTEM}", "Hi?")
+    stamped = await explain(client, f"Now: 2026-12-01T09:15:52Z. {SYSTEM}", "Hi?")
+    assert [moved["value"] for moved in stamped["layout"]["moved"]] == ["2026-12-01T09:15:52Z"]
+    assert stamped["messages"][0]["content"].startswith("Now: [datetime 1].")
+    assert stamped["route"]["reason"] == "prefix"  # laid out, it starts as the prompt sent a minute before
+
+    wrong = await client.post("/admin/cache/explain", json={"model": "gpt-4o", "prompt": "Hi"}, headers=ADMIN)
+    assert wrong.status == 404
+
+
 async def test_an_upstreams_client_error_comes_back_as_it_wrote_it(front: Front, upstreams: list[str]) -> None:
     client = await front(upstreams)
     with pytest.raises(openai.BadRequestError) as raised:
         await ask(client, SYSTEM * 40, "Hi?")  # longer than the tiny model's context
     assert raised.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="n=1") as refused:
+        await ask(client, SYSTEM, "Hi?", n=2)  # one choice per answer, as in front of a local model
+    assert refused.value.param == "n"
     assert all(state["available"] for state in (await per_upstream(client)).values())  # the client's fault
 
 

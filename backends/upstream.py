@@ -168,6 +168,7 @@ class UpstreamPool:
         self._first_chunk_timeout = first_chunk_timeout
         self._check_timeout = aiohttp.ClientTimeout(total=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._check_session: aiohttp.ClientSession | None = None
 
     async def open(
         self, endpoint: str, body: dict[str, Any], keys: Sequence[bytes], hint: str | None = None
@@ -194,11 +195,16 @@ class UpstreamPool:
 
     async def models(self, upstream: Upstream) -> list[str]:
         """Return the model ids an upstream serves (`GET /models`, within the connect timeout); raise UpstreamError
-        when it does not answer, or not with a list of models."""
+        when it does not answer, or not with a list of models.
+
+        Each call opens a connection of its own: a kept-alive one may have outlived the upstream's process, and a
+        health check must not fail on it, or pass on it.
+        """
+        if self._check_session is None:
+            connector = aiohttp.TCPConnector(force_close=True)
+            self._check_session = aiohttp.ClientSession(timeout=self._check_timeout, connector=connector)
         try:
-            async with self._client().get(
-                f"{upstream.url}/models", headers=self._headers(upstream), timeout=self._check_timeout
-            ) as response:
+            async with self._check_session.get(f"{upstream.url}/models", headers=self._headers(upstream)) as response:
                 if response.status != 200:
                     raise UpstreamError(f"upstream {upstream.url} answered /models with {response.status}")
                 listing = await response.json()
@@ -210,8 +216,9 @@ class UpstreamPool:
 
     async def close(self) -> None:
         """Close every connection."""
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._check_session):
+            if session is not None:
+                await session.close()
 
     async def _open(self, route: Route, endpoint: str, body: dict[str, Any]) -> UpstreamStream:
         upstream = route.upstream

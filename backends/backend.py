@@ -97,6 +97,7 @@ class TokenChunk:
     token_id: int
     text: str
     finish_reason: FinishReason | None
+    stop_sequence: str | None = None  # the stop string that ended the answer, when one did
 
 
 def check_context(context_length: int, prompt_tokens: int, max_tokens: int = 0) -> None:

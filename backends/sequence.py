@@ -169,11 +169,11 @@ class Sequence:
             chunk = TokenChunk(token, decoding.text.finish().text, "stop")
         else:
             delta = decoding.text.push(token)
-            if delta.stopped:
-                chunk = TokenChunk(token, delta.text, "stop")
+            if delta.stop is not None:
+                chunk = TokenChunk(token, delta.text, "stop", delta.stop)
             elif self._generated >= decoding.max_tokens:
                 tail = decoding.text.finish()
-                chunk = TokenChunk(token, delta.text + tail.text, "stop" if tail.stopped else "length")
+                chunk = TokenChunk(token, delta.text + tail.text, "length" if tail.stop is None else "stop", tail.stop)
             else:
                 chunk = TokenChunk(token, delta.text, None)
         if chunk.finish_reason is not None:

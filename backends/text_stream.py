@@ -13,10 +13,10 @@ _INCOMPLETE = "\ufffd"  # what a decoder shows for the first bytes of a multi-by
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """Text that became stable with one token, and whether a stop string ended the stream there."""
+    """Text that became stable with one token, and the stop string that ended the stream there, if one did."""
 
     text: str
-    stopped: bool
+    stop: str | None
 
 
 class TextStream:
@@ -52,13 +52,14 @@ class TextStream:
 
     def _release(self, new_text: str, *, final: bool) -> TextDelta:
         text = self._held + new_text
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, stop) for stop in self._stop if (at := text.find(stop)) >= 0]
+        if found:
+            cut, stop = min(found)  # the first to occur
             self._held = ""
-            return TextDelta(text[:cut], stopped=True)
+            return TextDelta(text[:cut], stop)
         keep = 0 if final else _stop_prefix_length(text, self._stop)
         self._held = text[len(text) - keep :] if keep else ""
-        return TextDelta(text[: len(text) - keep], stopped=False)
+        return TextDelta(text[: len(text) - keep], None)
 
 
 def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:

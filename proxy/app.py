@@ -28,6 +28,7 @@ from prefixgate.errors import (
     RequestError,
     UnsupportedModelError,
 )
+from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, Generation
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
@@ -151,6 +152,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     app.cleanup_ctx.append(engine_context)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # a model id may hold a slash: "org/name"
     app.router.add_get("/health", health)
@@ -196,6 +199,39 @@ async def _generate(
     render = api.chat_completion if chat else api.text_completion
     payload = render(generation.request_id, body.model, text, generation.finish_reason or "stop", generation.usage())
     return web.json_response(payload, headers=_headers(generation))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages: Anthropic's Messages API on the same engine."""
+    body = api.parse_json(await request.read(), anthropic.MessagesRequest)
+    engine = _engine_for(request, body.model)
+    try:
+        generation = await engine.generate(body.to_prompt_request(request[TENANT]))
+        request[GENERATION] = generation
+    except RequestError as error:
+        if error.param == "prompt":
+            error.param = "messages"
+        raise
+    message_id = anthropic.message_id()
+    if body.stream:
+        async with generation:
+            return await _stream_message(request, generation, body.model, message_id)
+    async with generation:
+        chunks = [chunk async for chunk in generation]
+    text = "".join(chunk.text for chunk in chunks)
+    stop = chunks[-1].stop_sequence if chunks else None
+    payload = anthropic.message(message_id, body.model, text, generation.finish_reason, stop, generation.usage())
+    return web.json_response(payload, headers=_headers(generation))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the prompt tokens of a Messages body, as this server renders it."""
+    body = api.parse_json(await request.read(), anthropic.CountTokensRequest)
+    engine = _engine_for(request, body.model)
+    if isinstance(engine, UpstreamEngine):
+        raise RequestError("counting tokens needs the model's tokenizer, and this server forwards to upstreams")
+    prepared = await engine.prepare(body.to_prompt_request(request[TENANT]))
+    return web.json_response({"input_tokens": len(prepared.token_ids)})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -298,19 +334,67 @@ async def _stream(
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client left request %s; generation stopped", rid)  # the caller's aclose() stops the model
         raise
-    except PrefixgateError as error:
-        status, body = _error_response(error)
-        if status >= 500:
-            log.error("request %s failed while streaming: %s: %s", rid, type(error).__name__, error)
-        await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
-    except Exception:
-        log.exception("request %s failed while streaming", rid)
-        body = api.error_body("internal error while generating; see the server log", "server_error")
-        await response.write(f"event: error\ndata: {json.dumps(body)}\n\n".encode())
+    except Exception as error:
+        _, body = _streaming_failure(rid, error)
+        await _event(response, "error", body)
     await generation.aclose()  # usage and timing are final before the stream's end
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def _stream_message(
+    request: web.Request, generation: AnyGeneration, model: str, message_id: str
+) -> web.StreamResponse:
+    """Send the generation as Anthropic's stream events, in Anthropic's order; the caller closes the generation."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
+    )
+    await response.prepare(request)
+    start = anthropic.message(message_id, model, None, None, None, generation.usage())
+    await _event(response, "message_start", {"type": "message_start", "message": start})
+    block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    await _event(response, "content_block_start", block)
+    await _event(response, "ping", {"type": "ping"})
+    stop = None
+    try:
+        async for token in generation:
+            stop = token.stop_sequence
+            if token.text:
+                piece = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": token.text}}
+                await _event(response, "content_block_delta", piece)
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client left request %s; generation stopped", message_id)  # the caller's aclose() stops the model
+        raise
+    except Exception as error:
+        status, body = _streaming_failure(message_id, error)
+        await _event(response, "error", anthropic.error_body(status, body["error"]["message"]))
+        await response.write_eof()
+        return response
+    await _event(response, "content_block_stop", {"type": "content_block_stop", "index": 0})
+    await generation.aclose()  # usage is final
+    reason = anthropic.stop_reason(generation.finish_reason, stop)
+    usage = anthropic.usage_body(generation.usage())
+    end: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop}}
+    await _event(response, "message_delta", end | {"usage": usage})
+    await _event(response, "message_stop", {"type": "message_stop"})
+    await response.write_eof()
+    return response
+
+
+def _streaming_failure(request_id: str, error: Exception) -> tuple[int, dict[str, Any]]:
+    """Return the status and OpenAI error body of an error raised after a stream began; log what is the server's."""
+    if isinstance(error, PrefixgateError):
+        status, body = _error_response(error)
+        if status >= 500:
+            log.error("request %s failed while streaming: %s: %s", request_id, type(error).__name__, error)
+        return status, body
+    log.exception("request %s failed while streaming", request_id)  # called in the handler's except: it has the trace
+    return 500, api.error_body("internal error while generating; see the server log", "server_error")
+
+
+async def _event(response: web.StreamResponse, name: str, body: dict[str, Any]) -> None:
+    await response.write(f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
 
 async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
@@ -452,50 +536,60 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except OverloadedError as error:
         body = api.error_body(str(error), "rate_limit_error", code="server_overloaded")
-        return web.json_response(body, status=429, headers={"Retry-After": str(error.retry_after)})
+        return _error_reply(request, 429, body, headers={"Retry-After": str(error.retry_after)})
     except PrefixgateError as error:
         status, body = _error_response(error)
         if status >= 500:
             log.error("request %s failed: %s: %s", request.get(REQUEST_ID), type(error).__name__, error)
-        return web.json_response(body, status=status)
+        return _error_reply(request, status, body)
     except ValidationError as error:
         problems = error.errors()
         param = ".".join(str(part) for part in problems[0]["loc"]) if problems else None
         message = "; ".join(_describe_problem(problem) for problem in problems)
-        return web.json_response(api.error_body(message, "invalid_request_error", param=param), status=400)
+        return _error_reply(request, 400, api.error_body(message, "invalid_request_error", param=param))
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[SETTINGS].max_body_bytes
         message = f"the request body is larger than {limit} bytes; send a smaller one (max_body_bytes)"
-        return web.json_response(api.error_body(message, "invalid_request_error"), status=413)
+        return _error_reply(request, 413, api.error_body(message, "invalid_request_error"))
     except web.HTTPException as error:
         if error.status < 400:
             raise
         message = f"{request.method} {request.path}: {error.reason}"
         code = "not_found" if error.status == 404 else None
-        return web.json_response(api.error_body(message, "invalid_request_error", code=code), status=error.status)
+        return _error_reply(request, error.status, api.error_body(message, "invalid_request_error", code=code))
     except ConnectionResetError:
         raise  # the client left: nobody to answer, and no fault of the server's
     except Exception:
         log.exception("request %s failed", request.get(REQUEST_ID))
         body = api.error_body("internal error; see the server log", "server_error")
-        return web.json_response(body, status=500)
+        return _error_reply(request, 500, body)
 
 
 @web.middleware
 async def _tenants(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Map the API key to its tenant; with no keys configured everyone is the anonymous tenant."""
+    """Map the API key (a bearer token, or Anthropic's `x-api-key`) to its tenant; with no keys configured everyone
+    is the anonymous tenant."""
     keys = request.app[SETTINGS].api_keys
     request[TENANT] = ""
     if keys and request.path.startswith("/v1/"):
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        tenant = keys.get(key) if scheme.lower() == "bearer" else None
+        if scheme.lower() != "bearer":
+            key = request.headers.get("x-api-key", "")
+        tenant = keys.get(key)
         if tenant is None:
-            message = "a valid API key is required: send 'Authorization: Bearer <key>'"
-            return web.json_response(
-                api.error_body(message, "invalid_request_error", code="invalid_api_key"), status=401
-            )
+            message = "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+            return _error_reply(request, 401, api.error_body(message, "invalid_request_error", code="invalid_api_key"))
         request[TENANT] = tenant
     return await handler(request)
+
+
+def _error_reply(
+    request: web.Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    """Return an error in the shape of the request's API: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if request.path.startswith("/v1/messages"):
+        body = anthropic.error_body(status, str(body.get("error", {}).get("message", "")))
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _error_response(error: PrefixgateError) -> tuple[int, dict[str, Any]]:

@@ -23,26 +23,26 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 256
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # An unknown field is an error: silently ignoring one could change the answer without the client knowing.
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     """One text part of a message's content."""
 
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     """A function the assistant called."""
 
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """A tool call in an assistant message."""
 
     id: str
@@ -50,7 +50,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Strict):
     """One chat message."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -66,7 +66,7 @@ class Message(_Strict):
         return self
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     """A function the model may call."""
 
     name: str
@@ -75,21 +75,21 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     """A tool definition."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     """Streaming options."""
 
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
 
-class _Generation(_Strict):
+class _Generation(Strict):
     """Fields shared by chat and text completions."""
 
     model: str

@@ -9,18 +9,20 @@ from transformers import PreTrainedTokenizerFast
 from prefixgate.backends.text_stream import TextStream, _stop_prefix_length
 
 
-def stream_of(tokenizer: PreTrainedTokenizerFast, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool]:
-    """Push the tokens of `text` one by one; return the pieces released and whether a stop string ended it."""
+def stream_of(
+    tokenizer: PreTrainedTokenizerFast, text: str, stop: tuple[str, ...] = ()
+) -> tuple[list[str], str | None]:
+    """Push the tokens of `text` one by one; return the pieces released and the stop string that ended it, if any."""
     ids = tokenizer(text)["input_ids"]
     stream = TextStream(lambda t: tokenizer.decode(t, skip_special_tokens=True), [], stop)
     pieces: list[str] = []
     for token in ids:
         delta = stream.push(token)
         pieces.append(delta.text)
-        if delta.stopped:
-            return pieces, True
+        if delta.stop is not None:
+            return pieces, delta.stop
     pieces.append(stream.finish().text)
-    return pieces, False
+    return pieces, None
 
 
 def test_multi_byte_characters_are_released_whole(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -28,7 +30,7 @@ def test_multi_byte_characters_are_released_whole(tokenizer: PreTrainedTokenizer
     ids = tokenizer(text)["input_ids"]
     assert len(ids) > len(text) // 2, "the tiny tokenizer splits these characters into byte tokens"
     pieces, stopped = stream_of(tokenizer, text)
-    assert not stopped
+    assert stopped is None
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
     assert "" in pieces, "some tokens complete no character and release nothing"
@@ -36,7 +38,7 @@ def test_multi_byte_characters_are_released_whole(tokenizer: PreTrainedTokenizer
 
 def test_stop_string_split_across_tokens_is_held_back_then_cut(tokenizer: PreTrainedTokenizerFast) -> None:
     pieces, stopped = stream_of(tokenizer, "alpha beta STOP gamma", stop=("STOP",))
-    assert stopped
+    assert stopped == "STOP"
     assert "".join(pieces) == "alpha beta "
 
 
@@ -44,14 +46,14 @@ def test_text_that_only_starts_like_a_stop_string_is_released_at_the_end(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     pieces, stopped = stream_of(tokenizer, "alpha ST", stop=("STOP",))
-    assert not stopped
+    assert stopped is None
     assert "".join(pieces) == "alpha ST"
     assert pieces[-1].endswith("ST"), "the possible start of the stop string was held back until finish"
 
 
 def test_earliest_of_several_stop_strings_wins(tokenizer: PreTrainedTokenizerFast) -> None:
     pieces, stopped = stream_of(tokenizer, "one two three four", stop=("four", "two"))
-    assert stopped
+    assert stopped == "two"
     assert "".join(pieces) == "one "
 
 

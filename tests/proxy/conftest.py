@@ -117,11 +117,10 @@ def steps() -> list[StepRecord]:
 async def serve(
     tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, steps: list[StepRecord]
 ) -> AsyncIterator[Serve]:
-    """Start the real app on a local port (a free one unless given); settings are keyword arguments, as the CLI
-    flags would give them."""
+    """Start the real app on a local port; settings are keyword arguments, as the CLI flags would give them."""
     clients: list[TestClient[Any, Any]] = []
 
-    async def start(port: int | None = None, **overrides: Any) -> TestClient[Any, Any]:
+    async def start(**overrides: Any) -> TestClient[Any, Any]:
         overrides.setdefault("store", tmp_path / "store")
         overrides.setdefault("model", MODEL)
         settings = load_settings(**overrides)
@@ -129,7 +128,7 @@ async def serve(
         async def factory(settings: Settings) -> Engine:
             return tiny_engine(settings, tokenizer, llama, steps)
 
-        client: TestClient[Any, Any] = TestClient(ServedApp(create_app(settings, factory), port=port))
+        client: TestClient[Any, Any] = TestClient(ServedApp(create_app(settings, factory)))
         await client.start_server()
         clients.append(client)
         return client

@@ -1,4 +1,5 @@
-"""End to end: `prefixgate serve` on the real SmolLM2, driven by the official `openai` client."""
+"""End to end: `prefixgate serve` on the real SmolLM2, driven by the official `openai` client, and by the official
+`anthropic` client through its example."""
 
 from __future__ import annotations
 
@@ -127,3 +128,18 @@ def test_the_openai_client_example_shows_cached_tokens(start_server: Callable[..
     assert result.returncode == 0, result.stderr
     cached = [int(line.split(", ")[1].split()[0]) for line in result.stdout.splitlines() if "from the cache" in line]
     assert cached[0] == 0 and cached[1] >= 1000
+
+
+def test_the_anthropic_client_example_reads_its_breakpoint_from_the_cache(start_server: Callable[..., Server]) -> None:
+    server = start_server()
+    example = Path(__file__).parents[2] / "examples" / "anthropic_client.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--base-url", server.url], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    usage = [line.split(", ") for line in result.stdout.splitlines() if "read from the cache" in line]
+    read = [int(parts[1].split()[0]) for parts in usage]
+    computed = [int(parts[0].split()[0]) for parts in usage]
+    assert read[0] == 0 and read[1] >= 1000 and computed[1] < 100
+    answers = [line.removeprefix("A: ") for line in result.stdout.splitlines() if line.startswith("A: ")]
+    assert len(answers) == 2 and all(answer.strip() for answer in answers)

@@ -1,6 +1,7 @@
 """`prefixgate serve --upstream` in front of two `prefixgate serve` processes on the real SmolLM2, driven by the
 official `openai` client: an upstream killed mid-answer cuts its stream with an error event, never a hang; the
-other takes the requests meanwhile; and the killed one is back in rotation once it runs again."""
+other takes the requests meanwhile; and the health checks bring the killed one back into rotation once it runs
+again."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def health(server: Server) -> dict[str, Any]:
 
 def test_a_killed_upstream_cuts_its_stream_and_comes_back_into_rotation(start: Start) -> None:
     first, second = start("first"), start("second")
-    front = start("front", "--upstream", f"{first.url}/v1", "--upstream", f"{second.url}/v1")
+    front = start(
+        "front", "--upstream", f"{first.url}/v1", "--upstream", f"{second.url}/v1", "--upstream-check-interval", "1"
+    )
     stream = front.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Count from 1 to 200, one number per line."}],
@@ -69,11 +72,13 @@ def test_a_killed_upstream_cuts_its_stream_and_comes_back_into_rotation(start: S
     assert health(front)["status"] == "degraded" and not states[busy]["available"]
 
     start("restarted", port=victim.port)  # running again on the same port, with an empty cache
-    deadline = time.monotonic() + 120  # the backoff is a few seconds; the bound only stops a broken run hanging
-    n = 0
-    while health(front)["status"] != "ok":  # requests spread over the upstreams try it once its backoff is over
+    deadline = time.monotonic() + 120  # checks run every second; the bound only stops a broken run hanging
+    while health(front)["status"] != "ok":  # a health check finds it back: no request has to try it first
         assert time.monotonic() < deadline, "the restarted upstream never came back into rotation"
-        n += 1
+        time.sleep(0.2)
+    before = {state["url"]: state["requests"] for state in health(front)["upstreams"]}[busy]
+    for n in range(4):  # distinct prompts spread over both again
         front.client().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Prompt {n}. " * 40}], max_tokens=2, temperature=0
         )
+    assert {state["url"]: state["requests"] for state in health(front)["upstreams"]}[busy] > before

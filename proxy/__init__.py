@@ -1,12 +1,13 @@
-"""The engine, canonicalization and layout, the aiohttp app, the admin endpoint, the decorator, the CLI.
+"""The engines and the prompt rules (canonicalization, layout, explain), the aiohttp app with its OpenAI and Anthropic
+faces, the admin face (`admin/`), the Python face (`python/`), settings and the CLI.
 
 Exported here: the Python face, `PromptCache` and what its decorated functions return.
 """
 
-from prefixgate.proxy.decorator import AsyncCachedFunction, CachedFunction, GenerationOptions, Options, Prompt
-from prefixgate.proxy.prompt_cache import PromptCache
-from prefixgate.proxy.reply import AsyncReplyStream, Reply, ReplyStream, ReplyUsage
-from prefixgate.proxy.targets import ServerError
+from prefixgate.proxy.python.decorator import AsyncCachedFunction, CachedFunction, GenerationOptions, Options, Prompt
+from prefixgate.proxy.python.prompt_cache import PromptCache
+from prefixgate.proxy.python.reply import AsyncReplyStream, Reply, ReplyStream, ReplyUsage
+from prefixgate.proxy.python.targets import ServerError
 
 __all__ = [
     "AsyncCachedFunction",

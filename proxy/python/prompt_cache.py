@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, Unpack, overload
 
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.decorator import (
+from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.python.decorator import (
     AsyncCachedFunction,
     CachedFunction,
     GenerationOptions,
@@ -25,9 +26,8 @@ from prefixgate.proxy.decorator import (
     Prompt,
     resolve_options,
 )
-from prefixgate.proxy.engine import Engine, PromptRequest
-from prefixgate.proxy.reply import AsyncReplyStream, Pieces, Reply, ReplyStream
-from prefixgate.proxy.targets import EngineTarget, ServerTarget, Target
+from prefixgate.proxy.python.reply import AsyncReplyStream, Pieces, Reply, ReplyStream
+from prefixgate.proxy.python.targets import EngineTarget, ServerTarget, Target
 
 P = ParamSpec("P")
 _T = TypeVar("_T")

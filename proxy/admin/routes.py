@@ -18,9 +18,17 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from prefixgate.errors import RequestError
-from prefixgate.proxy import admin_requests as params
 from prefixgate.proxy import openai_api as api
-from prefixgate.proxy.admin_requests import (
+from prefixgate.proxy.admin import params
+from prefixgate.proxy.admin.cache_report import (
+    cache_report,
+    entry_body,
+    longest_prefixes,
+    prefix_body,
+    sort_entries,
+)
+from prefixgate.proxy.admin.dashboard import dashboard
+from prefixgate.proxy.admin.params import (
     ChatExplainRequest,
     ChatWarmRequest,
     ExplainRequest,
@@ -29,14 +37,6 @@ from prefixgate.proxy.admin_requests import (
     TextWarmRequest,
 )
 from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed, local_engine, upstream_state
-from prefixgate.proxy.cache_report import (
-    cache_report,
-    entry_body,
-    longest_prefixes,
-    prefix_body,
-    sort_entries,
-)
-from prefixgate.proxy.dashboard import dashboard
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.explain import explanation_body, route_explanation_body
 from prefixgate.proxy.upstream_engine import UpstreamEngine

@@ -15,7 +15,7 @@ import aiohttp
 from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, PromptRequest, Usage
-from prefixgate.proxy.reply import Pieces, Reply, ReplyUsage
+from prefixgate.proxy.python.reply import Pieces, Reply, ReplyUsage
 
 
 class ServerError(PrefixgateError, ConnectionError):

@@ -14,7 +14,7 @@ from importlib import resources
 
 from aiohttp import web
 
-PAGE = resources.files("prefixgate.proxy").joinpath("dashboard.html").read_text(encoding="utf-8")
+PAGE = resources.files("prefixgate.proxy.admin").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
 def _digest(tag: str) -> str:

@@ -18,10 +18,10 @@ from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
 from prefixgate.proxy.engine import PromptRequest
 from prefixgate.proxy.openai_api import DEFAULT_MAX_TOKENS, Message
-from prefixgate.proxy.reply import AsyncReplyStream, Reply, ReplyStream
+from prefixgate.proxy.python.reply import AsyncReplyStream, Reply, ReplyStream
 
 if TYPE_CHECKING:
-    from prefixgate.proxy.prompt_cache import PromptCache
+    from prefixgate.proxy.python.prompt_cache import PromptCache
 
 P = ParamSpec("P")
 

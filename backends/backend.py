@@ -166,6 +166,10 @@ class Backend(Protocol):
         """Say why the backend cannot serve, or None while it can."""
         ...
 
+    def seconds_per_prefill_token(self) -> float | None:
+        """Return what a prompt token has cost to compute lately, as measured; None before any prompt was."""
+        ...
+
     def generate(
         self,
         token_ids: Sequence[int],

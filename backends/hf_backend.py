@@ -231,6 +231,10 @@ class HFBackend:
         """Say why the backend cannot serve (its model thread stopped on a fault), or None while it can."""
         return self._worker.failure
 
+    def seconds_per_prefill_token(self) -> float | None:
+        """Return what a prompt token has cost to compute lately, as measured; None before any prompt was."""
+        return self._worker.seconds_per_prefill_token
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -403,10 +403,17 @@ async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
 
 def _headers(generation: AnyGeneration) -> dict[str, str]:
     # Server-Timing: the engine's own time, so a client can tell it from the network's and the proxy's.
-    timings = [("ttft", generation.time_to_first_token), ("engine", generation.duration)]
+    # `saved` is not time spent: the prefill the cache spared, estimated at the model's measured rate.
+    timings = [
+        ("ttft", generation.time_to_first_token, ""),
+        ("engine", generation.duration, ""),
+        ("saved", generation.saved_seconds, ';desc="prefill spared by the cache (estimate)"'),
+    ]
     headers = {
         "Server-Timing": ", ".join(
-            f"{name};dur={seconds * 1e3:.3f}" for name, seconds in timings if seconds is not None
+            f"{name};dur={seconds * 1e3:.3f}{description}"
+            for name, seconds, description in timings
+            if seconds is not None
         ),
     }
     if generation.cached_tokens is not None:  # an upstream says it with its usage, after a stream's headers

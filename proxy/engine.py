@@ -385,6 +385,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.time_to_first_token: float | None = None  # seconds from the engine's start to the first token
         self.duration: float | None = None  # seconds from the engine's start to the generation's end
+        self.saved_seconds: float | None = None  # prefill the cache spared, estimated at the model's recent rate
         self._stream = stream
         self._owned = owned
         self._started = started
@@ -409,8 +410,14 @@ class Generation:
         """Compute up to the first token, so errors come before any response is sent."""
         self._first = await anext(self._stream)
         self.time_to_first_token = time.perf_counter() - self._started
+        rate = self.engine.backend.seconds_per_prefill_token()
+        self.saved_seconds = None if rate is None else self.hit.cached_tokens * rate
         self.engine.stats.count_request(
-            self.prompt_tokens, self.hit.tokens_by_tier, self.time_to_first_token, tenant=self.prepared.tenant
+            self.prompt_tokens,
+            self.hit.tokens_by_tier,
+            self.time_to_first_token,
+            tenant=self.prepared.tenant,
+            saved_seconds=self.saved_seconds or 0.0,
         )
 
     def __aiter__(self) -> Generation:

@@ -35,6 +35,7 @@ class TenantStats:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache: prefill saved
+    saved_seconds: float = 0.0  # the prefill time those spared, estimated
 
 
 @dataclass
@@ -50,11 +51,18 @@ class EngineStats:
     cached_tokens: dict[str, int] = field(default_factory=dict)  # per tier
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
+    saved_seconds: float = 0.0  # prefill time the cache spared, estimated at the model's measured rate
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count_request(
-        self, prompt_tokens: int, cached_by_tier: dict[str, int], ttft: float, *, tenant: str = ""
+        self,
+        prompt_tokens: int,
+        cached_by_tier: dict[str, int],
+        ttft: float,
+        *,
+        tenant: str = "",
+        saved_seconds: float = 0.0,
     ) -> None:
         """Count a request that produced its first token, for the totals and for its tenant."""
         with self._lock:
@@ -64,7 +72,9 @@ class EngineStats:
                 counts.requests + 1,
                 counts.prompt_tokens + prompt_tokens,
                 counts.cached_tokens + sum(cached_by_tier.values()),
+                counts.saved_seconds + saved_seconds,
             )
+            self.saved_seconds += saved_seconds
             self.prompt_tokens += prompt_tokens
             for tier, tokens in cached_by_tier.items():
                 self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + tokens
@@ -104,6 +114,7 @@ class EngineStats:
                 cached_tokens=dict(self.cached_tokens),
                 ttft_buckets=tuple(self.ttft_buckets),
                 ttft_sum=self.ttft_sum,
+                saved_seconds=self.saved_seconds,
                 tenants=dict(self.tenants),
             )
 
@@ -121,6 +132,7 @@ class EngineStatsSnapshot:
     cached_tokens: dict[str, int]  # per tier
     ttft_buckets: tuple[int, ...]  # requests up to each TTFT_BUCKETS bound from the one before, then past the last
     ttft_sum: float
+    saved_seconds: float
     tenants: dict[str, TenantStats]
 
     @property
@@ -188,6 +200,11 @@ class EngineCollector(Collector):
             ("request_errors", "Requests that failed before their first token.", stats.errors),
             ("rejected_requests", "Requests refused with 429 because the wait queue was full.", stats.rejected),
             ("store_put_errors", "Computed blocks the store failed to keep.", stats.store_errors),
+            (
+                "prefill_seconds_saved",
+                "Prefill time the prefix cache spared, estimated at the model's measured prefill rate.",
+                stats.saved_seconds,
+            ),
         ):
             yield _family(CounterMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([model], value)])
         yield _family(
@@ -245,16 +262,17 @@ class EngineCollector(Collector):
             yield _family(kind, f"prefixgate_{name}", help_text, ["upstream"], samples)
 
     def _tenant_counters(self, tenants: dict[str, TenantStats]) -> Iterator[Metric]:
-        for counted, help_text in (
-            ("requests", "Requests that produced a first token, by tenant."),
-            ("prompt_tokens", "Prompt tokens, by tenant."),
-            ("cached_tokens", "Prompt tokens served from the prefix cache, by tenant."),
+        for name, attribute, help_text in (
+            ("requests", "requests", "Requests that produced a first token, by tenant."),
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens, by tenant."),
+            ("cached_tokens", "cached_tokens", "Prompt tokens served from the prefix cache, by tenant."),
+            ("prefill_seconds_saved", "saved_seconds", "Prefill time the prefix cache spared, estimated, by tenant."),
         ):
             samples = [
-                ([self._model_name, tenant], getattr(counts, counted)) for tenant, counts in sorted(tenants.items())
+                ([self._model_name, tenant], getattr(counts, attribute)) for tenant, counts in sorted(tenants.items())
             ]
             yield _family(
-                CounterMetricFamily, f"prefixgate_tenant_{counted}", help_text, ["model_name", "tenant"], samples
+                CounterMetricFamily, f"prefixgate_tenant_{name}", help_text, ["model_name", "tenant"], samples
             )
 
 

@@ -226,6 +226,7 @@ class UpstreamGeneration:
         self.finish_reason: str | None = None
         self.time_to_first_token: float | None = time.perf_counter() - started  # the pool read up to it
         self.duration: float | None = None
+        self.saved_seconds: float | None = None  # the upstream's own prefill time is not known here
         self._forward = forward
         self._stream = stream
         self._started = started

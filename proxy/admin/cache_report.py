@@ -53,6 +53,7 @@ def cache_report(
         "capacity": sum(tier.capacity for tier in tiers),
         "requests": stats.requests,
         **_tokens(stats.prompt_tokens, stats.cached_total),
+        "prefill_seconds_saved": round(stats.saved_seconds, 3),
         **{event: sum(getattr(tier, event) for tier in tiers) for event in _EVENTS},
     }
     return {
@@ -174,6 +175,7 @@ def _tenants(counts: dict[str, TenantStats], entries: Sequence[EntryInfo]) -> li
                 "stored_bytes": sum(entry.nbytes for entry in held),
                 "requests": tenant_counts.requests,
                 **_tokens(tenant_counts.prompt_tokens, tenant_counts.cached_tokens),
+                "prefill_seconds_saved": round(tenant_counts.saved_seconds, 3),
             }
         )
     return report

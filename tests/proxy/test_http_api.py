@@ -213,7 +213,7 @@ def server_timing(header: str) -> dict[str, float]:
     timings = {}
     for metric in header.split(", "):
         name, _, duration = metric.partition(";dur=")
-        timings[name] = float(duration)
+        timings[name] = float(duration.partition(";")[0])
     return timings
 
 
@@ -224,13 +224,32 @@ async def test_server_timing_gives_the_engine_time_within_the_round_trip(serve: 
     await response.read()
     round_trip_ms = (time.perf_counter() - started) * 1e3
     timings = server_timing(response.headers["Server-Timing"])
-    assert set(timings) == {"ttft", "engine"}
+    assert set(timings) == {"ttft", "engine", "saved"}
     assert 0 < timings["ttft"] <= timings["engine"] < round_trip_ms
 
     # A stream's headers leave before its end: they carry the time to the first token only.
     streamed = await client.post("/v1/chat/completions", json=chat(stream=True))
     await streamed.read()
-    assert set(server_timing(streamed.headers["Server-Timing"])) == {"ttft"}
+    assert set(server_timing(streamed.headers["Server-Timing"])) == {"ttft", "saved"}
+
+
+async def test_the_prefill_the_cache_spares_is_estimated_and_summed(serve: Serve) -> None:
+    client = await serve(admin_key="sk-admin", metrics_tenants=True)
+    cold = await client.post("/v1/chat/completions", json=chat())
+    warm = await client.post("/v1/chat/completions", json=chat())
+    cached = (await warm.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert 'saved;dur=0.000;desc="prefill spared by the cache (estimate)"' in cold.headers["Server-Timing"]
+    saved = server_timing(warm.headers["Server-Timing"])["saved"] / 1e3  # seconds
+    assert saved > 0  # the cold request's own prefill measured the rate; its cached tokens at that rate
+    report = await (await client.get("/admin/cache", headers={"Authorization": "Bearer sk-admin"})).json()
+    assert report["totals"]["prefill_seconds_saved"] == pytest.approx(saved, abs=1e-3)
+    assert [tenant["prefill_seconds_saved"] for tenant in report["tenants"]] == [
+        report["totals"]["prefill_seconds_saved"]
+    ]
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_prefill_seconds_saved_total") == pytest.approx(saved, abs=1e-5)
+    assert sample(metrics, "prefixgate_tenant_prefill_seconds_saved_total", tenant="") == pytest.approx(saved, abs=1e-5)
 
 
 async def test_models_health_and_metrics(serve: Serve) -> None:

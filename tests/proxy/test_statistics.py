@@ -53,6 +53,7 @@ def test_every_metric_has_a_type_a_help_text_and_vllms_name_where_one_exists() -
         "prefixgate_request_errors": "counter",
         "prefixgate_rejected_requests": "counter",
         "prefixgate_store_put_errors": "counter",
+        "prefixgate_prefill_seconds_saved": "counter",
         "prefixgate_kv_memory_bytes": "gauge",
         "prefixgate_kv_memory_budget_bytes": "gauge",
         "prefixgate_store_entries": "gauge",
@@ -141,9 +142,9 @@ def test_metrics_are_read_at_each_scrape() -> None:
 def test_tenant_counters_are_labelled_and_their_names_escaped() -> None:
     tenant = 'team "a"\\b\nc'
     stats = EngineStats()
-    stats.count_request(100, {"host": 64}, 0.2, tenant=tenant)
+    stats.count_request(100, {"host": 64}, 0.2, tenant=tenant, saved_seconds=0.5)
     stats.count_request(50, {}, 0.4, tenant="")
-    stats.count_request(100, {"disk": 96}, 0.1, tenant=tenant)
+    stats.count_request(100, {"disk": 96}, 0.1, tenant=tenant, saved_seconds=0.75)
     text = render(stats, tenants=True)
     assert 'tenant="team \\"a\\"\\\\b\\nc"' in text  # one line, quotes and backslash escaped
     families = metric_families(text)
@@ -152,6 +153,8 @@ def test_tenant_counters_are_labelled_and_their_names_escaped() -> None:
     assert sample(families, "prefixgate_tenant_prompt_tokens_total", tenant=tenant) == 200
     assert sample(families, "prefixgate_tenant_cached_tokens_total", tenant=tenant) == 160
     assert sample(families, "prefixgate_tenant_cached_tokens_total", tenant="", model_name=MODEL_NAME) == 0
+    assert sample(families, "prefixgate_tenant_prefill_seconds_saved_total", tenant=tenant) == 1.25
+    assert sample(families, "prefixgate_prefill_seconds_saved_total") == 1.25
 
 
 def test_tenant_counters_are_left_out_unless_asked_for() -> None:

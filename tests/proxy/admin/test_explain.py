@@ -6,8 +6,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
+from tests.proxy.admin.test_admin import ADMIN_KEY, SYSTEM, admin, cached, chat, prompt_keys
 from tests.proxy.conftest import BLOCK_SIZE, Serve, engine_of
-from tests.proxy.test_admin import ADMIN_KEY, SYSTEM, admin, cached, chat, prompt_keys
 
 EARLIER = "2026-11-29T10:00:00Z"
 NOW = "2026-11-29T10:05:00Z"

@@ -28,7 +28,7 @@ from prefixgate.proxy.engine import Engine
 from prefixgate.proxy.settings import Settings, load_settings
 from tests.proxy.conftest import BLOCK_SIZE, MODEL, SYSTEM, tiny_engine
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[3]
 QUESTION = "What is the capital of France?"
 GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0.0}
 

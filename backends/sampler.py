@@ -27,7 +27,10 @@ class Sampler:
         """Return the next token id from the last position's logits (`[vocab]`)."""
         if self._generator is None:
             return int(torch.argmax(logits).item())
-        scores = logits.float() / self._temperature  # scores: [vocab]
+        # In float64, where a tiny temperature is not 0, and shifted so the best scores 0: however small the
+        # temperature, no score overflows to +inf, which softmax would turn into nan.
+        logits = logits.double()
+        scores = (logits - logits.max()) / self._temperature  # scores: [vocab]
         if 0 < self._top_k < scores.shape[-1]:
             kth = torch.topk(scores, self._top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

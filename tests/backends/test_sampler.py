@@ -20,6 +20,11 @@ def test_temperature_zero_is_greedy() -> None:
     assert set(picks(SamplingParams(temperature=0.0), 5)) == {1}
 
 
+def test_a_vanishing_temperature_picks_the_best_without_overflowing() -> None:
+    assert set(picks(SamplingParams(temperature=5e-324, seed=0), 5)) == {1}  # 3.0 / 5e-324 would be inf
+    assert set(picks(SamplingParams(temperature=1e-30, top_k=3, top_p=0.5, seed=0), 5)) == {1}
+
+
 def test_top_k_keeps_only_the_k_best() -> None:
     assert set(picks(SamplingParams(temperature=2.0, top_k=2, seed=0))) == {1, 2}
 

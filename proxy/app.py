@@ -453,6 +453,7 @@ def _metrics_registry(engine: AnyEngine, settings: Settings) -> CollectorRegistr
             model_name=engine.model_id,
             upstreams=lambda: engine.pool.router.upstreams,
             tenants=settings.metrics_tenants,
+            prices=settings.prices.get(engine.model_id),
         )
     else:
         collector = EngineCollector(
@@ -462,6 +463,7 @@ def _metrics_registry(engine: AnyEngine, settings: Settings) -> CollectorRegistr
             model_name=engine.model_id,
             remote=engine.store.remote_stats,
             tenants=settings.metrics_tenants,
+            prices=settings.prices.get(engine.model_id),
         )
     registry.register(collector)
     return registry

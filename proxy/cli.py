@@ -25,6 +25,7 @@ _MAP_FLAGS = {
     "api_keys": ("--api-key", "KEY=TENANT"),
     "layout_patterns": ("--layout-pattern", "NAME=REGEX"),
     "upstream_api_keys": ("--upstream-api-key", "URL=KEY"),
+    "prices": ("--price", "MODEL=IN,CACHED,WRITE,OUT"),
 }
 # Settings whose values are lists of URLs take a flag that may repeat.
 _LIST_FLAGS = {"remote": "repeat --remote for each node of a Redis Cluster", "upstream": "repeat --upstream for more"}

@@ -10,8 +10,11 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
+    BaseModel,
     ByteSize,
+    ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -33,6 +36,17 @@ from prefixgate.policies import policy_names
 from prefixgate.store.redis_tier import masked_url
 
 _config_file: ContextVar[Path | None] = ContextVar("prefixgate_config_file", default=None)
+
+
+class ModelPrices(BaseModel):
+    """A model's prices per million tokens, in whatever currency the deployment bills in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: NonNegativeFloat  # prompt tokens computed
+    cached_input: NonNegativeFloat  # prompt tokens served from the cache
+    cache_write: NonNegativeFloat  # prompt tokens written to the cache at a breakpoint
+    output: NonNegativeFloat  # generated tokens
 
 
 class Settings(BaseSettings):
@@ -128,6 +142,11 @@ class Settings(BaseSettings):
         description="key for /admin; unset means /admin answers 403. A flag shows in `ps` to every local user: "
         "prefer PREFIXGATE_ADMIN_KEY or admin_key in the --config file",
     )
+    prices: dict[str, ModelPrices] = Field(
+        default_factory=dict,
+        description="model id -> its prices per million tokens, INPUT,CACHED_INPUT,CACHE_WRITE,OUTPUT (as a flag: "
+        "MODEL=0.15,0.075,0.1875,0.6), to show what the cache saved in money; none: no money is shown",
+    )
     metrics_tenants: bool = Field(
         False,
         description="label /metrics with each tenant's name and traffic; off because /metrics needs no key "
@@ -143,6 +162,14 @@ class Settings(BaseSettings):
     model_cache_dir: Path = Field(
         Path.home() / ".cache" / "prefixgate" / "models", description="where converted models are kept"
     )
+
+    @field_validator("prices", mode="before")
+    @classmethod
+    def _prices_from_text(cls, value: Any) -> Any:
+        """Take a model's prices as the flag gives them, four numbers separated by commas, or as a table."""
+        if not isinstance(value, dict):
+            return value
+        return {model: _price_table(model, prices) for model, prices in value.items()}
 
     @field_validator("policy")
     @classmethod
@@ -235,3 +262,18 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         ) from None
     finally:
         _config_file.reset(token)
+
+
+_PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
+
+
+def _price_table(model: str, prices: Any) -> Any:
+    if not isinstance(prices, str):
+        return prices
+    parts = prices.split(",")
+    if len(parts) != len(_PRICE_FIELDS):
+        raise ValueError(
+            f"the prices of {model} are four numbers per million tokens, INPUT,CACHED_INPUT,CACHE_WRITE,OUTPUT "
+            f"(e.g. {model}=0.15,0.075,0.1875,0.6); got {prices!r}"
+        )
+    return dict(zip(_PRICE_FIELDS, (part.strip() for part in parts), strict=True))

@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 
 from prefixgate.backends import AdmissionStats
 from prefixgate.backends.router import Upstream
+from prefixgate.proxy.settings import ModelPrices
 from prefixgate.store import TierStats
 from prefixgate.store.redis_tier import RedisStats
 
@@ -141,6 +142,20 @@ class EngineStatsSnapshot:
         return sum(self.cached_tokens.values())
 
 
+def cost_saved(prices: ModelPrices, cached_tokens: int) -> float:
+    """Return what serving `cached_tokens` from the cache saved at these prices: the input price less the cached."""
+    return cached_tokens * (prices.input - prices.cached_input) / 1e6
+
+
+def cost(prices: ModelPrices, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
+    """Return what requests cost at these prices: prompt tokens computed, those from the cache, and the answers.
+
+    Cache writes (tokens stored at a breakpoint) have a price too, but no token is counted as one yet.
+    """
+    computed = prompt_tokens - cached_tokens
+    return (computed * prices.input + cached_tokens * prices.cached_input + completion_tokens * prices.output) / 1e6
+
+
 class EngineCollector(Collector):
     """Read the engine's counts, its store's tiers and its admission at each scrape, as Prometheus metrics.
 
@@ -160,6 +175,7 @@ class EngineCollector(Collector):
         remote: Callable[[], RedisStats | None] = lambda: None,
         upstreams: Callable[[], Sequence[Upstream]] = lambda: (),
         tenants: bool = False,
+        prices: ModelPrices | None = None,
     ) -> None:
         self._stats = stats
         self._tiers = tiers
@@ -170,6 +186,7 @@ class EngineCollector(Collector):
         # Tenants come from the server's key table (or the in-process caller), never from a client: few labels.
         # Their names and traffic are private to whoever runs the server, so they are listed only when asked.
         self._tenants = tenants
+        self._prices = prices
 
     def collect(self) -> Iterator[Metric]:
         """Yield every metric family, read now."""
@@ -207,6 +224,10 @@ class EngineCollector(Collector):
             ),
         ):
             yield _family(CounterMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([model], value)])
+        if self._prices is not None:
+            saved = cost_saved(self._prices, stats.cached_total)
+            help_text = "What the prefix cache saved at the configured prices (in their currency)."
+            yield _family(CounterMetricFamily, "prefixgate_cost_saved", help_text, ["model_name"], [([model], saved)])
         yield _family(
             CounterMetricFamily,
             "prefixgate_prefix_cache_hits_by_tier",
@@ -273,6 +294,16 @@ class EngineCollector(Collector):
             ]
             yield _family(
                 CounterMetricFamily, f"prefixgate_tenant_{name}", help_text, ["model_name", "tenant"], samples
+            )
+        if self._prices is not None:
+            prices = self._prices
+            samples = [
+                ([self._model_name, tenant], cost_saved(prices, counts.cached_tokens))
+                for tenant, counts in sorted(tenants.items())
+            ]
+            help_text = "What the prefix cache saved at the configured prices, by tenant."
+            yield _family(
+                CounterMetricFamily, "prefixgate_tenant_cost_saved", help_text, ["model_name", "tenant"], samples
             )
 
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.proxy.statistics import EngineStatsSnapshot, TenantStats
+from prefixgate.proxy.settings import ModelPrices
+from prefixgate.proxy.statistics import EngineStatsSnapshot, TenantStats, cost, cost_saved
 from prefixgate.store import BlockKey, EntryInfo, TierStats
 from prefixgate.store.redis_tier import RedisStats, RedisUsage
 
@@ -38,8 +39,10 @@ def cache_report(
     entries: Sequence[EntryInfo],
     block_size: int,
     remote: tuple[RedisStats, RedisUsage | None] | None = None,
+    prices: ModelPrices | None = None,
 ) -> dict[str, Any]:
-    """Return the `/admin/cache` body: totals, each local tier, the remote tier, and each tenant.
+    """Return the `/admin/cache` body: totals, each local tier, the remote tier, and each tenant; what the requests
+    cost and the cache saved, where the model has prices.
 
     Totals and tenants count what this server holds; the remote tier is shared, and reported beside them.
     """
@@ -54,6 +57,7 @@ def cache_report(
         "requests": stats.requests,
         **_tokens(stats.prompt_tokens, stats.cached_total),
         "prefill_seconds_saved": round(stats.saved_seconds, 3),
+        **money(prices, stats.prompt_tokens, stats.cached_total, stats.completion_tokens),
         **{event: sum(getattr(tier, event) for tier in tiers) for event in _EVENTS},
     }
     return {
@@ -62,7 +66,7 @@ def cache_report(
         "totals": totals,
         "tiers": [_tier(tier, stats, block_size) for tier in tiers],
         "remote": None if remote is None else _remote(*remote, stats, block_size),
-        "tenants": _tenants(stats.tenants, entries),
+        "tenants": _tenants(stats.tenants, entries, prices),
     }
 
 
@@ -158,7 +162,9 @@ def _remote(tier: RedisStats, usage: RedisUsage | None, stats: EngineStatsSnapsh
     }
 
 
-def _tenants(counts: dict[str, TenantStats], entries: Sequence[EntryInfo]) -> list[dict[str, Any]]:
+def _tenants(
+    counts: dict[str, TenantStats], entries: Sequence[EntryInfo], prices: ModelPrices | None
+) -> list[dict[str, Any]]:
     by_tenant: dict[str, list[EntryInfo]] = defaultdict(list)
     for entry in entries:
         by_tenant[entry.tenant].append(entry)
@@ -176,9 +182,22 @@ def _tenants(counts: dict[str, TenantStats], entries: Sequence[EntryInfo]) -> li
                 "requests": tenant_counts.requests,
                 **_tokens(tenant_counts.prompt_tokens, tenant_counts.cached_tokens),
                 "prefill_seconds_saved": round(tenant_counts.saved_seconds, 3),
+                "cost_saved": None if prices is None else round(cost_saved(prices, tenant_counts.cached_tokens), 6),
             }
         )
     return report
+
+
+def money(
+    prices: ModelPrices | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+) -> dict[str, float | None]:
+    """Return what the requests cost and what the cache saved at the model's prices; None for both without prices."""
+    if prices is None:
+        return {"cost": None, "cost_saved": None}
+    return {
+        "cost": round(cost(prices, prompt_tokens, cached_tokens, completion_tokens), 6),
+        "cost_saved": round(cost_saved(prices, cached_tokens), 6),
+    }
 
 
 def _blocks(entries: Sequence[EntryInfo]) -> dict[BlockKey, int]:

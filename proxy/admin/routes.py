@@ -24,6 +24,7 @@ from prefixgate.proxy.admin.cache_report import (
     cache_report,
     entry_body,
     longest_prefixes,
+    money,
     prefix_body,
     sort_entries,
 )
@@ -39,6 +40,7 @@ from prefixgate.proxy.admin.params import (
 from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed, local_engine, upstream_state
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.explain import explanation_body, route_explanation_body
+from prefixgate.proxy.settings import ModelPrices
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import Block, BlockKey, EntryInfo, TieredStore, TierStats
 from prefixgate.store.redis_tier import RedisStats, RedisUsage
@@ -79,11 +81,12 @@ async def cache(request: web.Request) -> web.Response:
     engine = request.config_dict[ENGINE]
     if isinstance(engine, UpstreamEngine):
         _audit(request, "cache")
-        return web.json_response(upstream_report(engine))
+        return web.json_response(upstream_report(engine, request.config_dict[SETTINGS].prices.get(engine.model_id)))
     tiers, found, remote = await asyncio.to_thread(_inventory, engine.store)
     _audit(request, "cache")
     block_size = engine.backend.geometry.block_size
-    return web.json_response(cache_report(tiers, engine.stats.snapshot(), found, block_size, remote))
+    prices = request.config_dict[SETTINGS].prices.get(engine.model_id)
+    return web.json_response(cache_report(tiers, engine.stats.snapshot(), found, block_size, remote, prices))
 
 
 async def entries(request: web.Request) -> web.Response:
@@ -278,11 +281,16 @@ async def _naming_messages(body: ExplainRequest, call: Awaitable[_Result]) -> _R
         raise
 
 
-def upstream_report(engine: UpstreamEngine) -> dict[str, Any]:
+def upstream_report(engine: UpstreamEngine, prices: ModelPrices | None) -> dict[str, Any]:
     """Return the `/admin/cache` body in front of upstreams: each upstream's state, and the totals."""
     stats = engine.stats.snapshot()
     upstreams = [upstream_state(upstream) for upstream in engine.pool.router.upstreams]
-    totals = {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_total}
+    totals = {
+        "requests": stats.requests,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_total,
+        **money(prices, stats.prompt_tokens, stats.cached_total, stats.completion_tokens),
+    }
     return {"object": "cache", "model": engine.model_id, "totals": totals, "upstreams": upstreams}
 
 

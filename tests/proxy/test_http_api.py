@@ -234,7 +234,7 @@ async def test_server_timing_gives_the_engine_time_within_the_round_trip(serve: 
 
 
 async def test_the_prefill_the_cache_spares_is_estimated_and_summed(serve: Serve) -> None:
-    client = await serve(admin_key="sk-admin", metrics_tenants=True)
+    client = await serve(admin_key="sk-admin", metrics_tenants=True, prices={MODEL: "1.5,0.25,2,6"})
     cold = await client.post("/v1/chat/completions", json=chat())
     warm = await client.post("/v1/chat/completions", json=chat())
     cached = (await warm.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -247,7 +247,16 @@ async def test_the_prefill_the_cache_spares_is_estimated_and_summed(serve: Serve
     assert [tenant["prefill_seconds_saved"] for tenant in report["tenants"]] == [
         report["totals"]["prefill_seconds_saved"]
     ]
+    usage = [(await response.json())["usage"] for response in (cold, warm)]
+    prompt = sum(u["prompt_tokens"] for u in usage)
+    completion = sum(u["completion_tokens"] for u in usage)
+    totals = report["totals"]
+    assert totals["cost_saved"] == pytest.approx(cached * (1.5 - 0.25) / 1e6)
+    assert totals["cost"] == pytest.approx(((prompt - cached) * 1.5 + cached * 0.25 + completion * 6) / 1e6)
+    assert report["tenants"][0]["cost_saved"] == totals["cost_saved"]
     metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_cost_saved_total") == pytest.approx(totals["cost_saved"])
+    assert sample(metrics, "prefixgate_tenant_cost_saved_total", tenant="") == pytest.approx(totals["cost_saved"])
     assert sample(metrics, "prefixgate_prefill_seconds_saved_total") == pytest.approx(saved, abs=1e-5)
     assert sample(metrics, "prefixgate_tenant_prefill_seconds_saved_total", tenant="") == pytest.approx(saved, abs=1e-5)
 

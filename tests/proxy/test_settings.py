@@ -153,3 +153,13 @@ def test_json_log_lines_carry_a_request_s_fields() -> None:
     assert load_settings(log_format="json", log_level="debug").log_format == "json"
     with pytest.raises(ConfigError, match="log_format"):
         load_settings(log_format="xml")
+
+
+def test_prices_come_as_four_numbers_or_a_table_and_are_checked() -> None:
+    assert load_settings(prices={"m": "0.15, 0.075,0.1875,0.6"}).prices["m"].cached_input == 0.075
+    table = {"input": 3, "cached_input": 0.3, "cache_write": 3.75, "output": 15}
+    assert load_settings(prices={"m": table}).prices["m"].output == 15
+    with pytest.raises(ConfigError, match="four numbers per million tokens"):
+        load_settings(prices={"m": "1,2"})
+    with pytest.raises(ConfigError, match="prices"):
+        load_settings(prices={"m": "1,2,3,-4"})

@@ -131,6 +131,8 @@ async def test_dashboard_shows_what_admin_cache_reports(serve: Serve, tmp_path: 
     for field in ("entries", "bytes", "stored_bytes", "requests", "tokens_saved", "evictions"):
         assert int(page.values[f"totals.{field}"]) == totals[field], field
     assert float(page.values["totals.hit_rate"]) == pytest.approx(totals["hit_rate"])
+    assert float(page.values["totals.prefill_seconds_saved"]) == totals["prefill_seconds_saved"] > 0
+    assert totals["cost_saved"] is None and "totals.cost_saved" not in page.values  # no prices, no money
     for tier in report["tiers"]:
         for field in ("entries", "bytes", "capacity", "hits", "misses", "tokens_saved", "demotions", "dropped_writes"):
             assert int(page.values[f"tier.{tier['name']}.{field}"]) == tier[field], (tier["name"], field)

@@ -1,7 +1,7 @@
 """Routing by prefix against round robin, in front of two upstream replicas whose caches each hold about half the
 working set.
 
-Run by hand: `.venv/bin/python benchmarks/routing_bench.py` (about eight minutes on 2 CPU cores). It starts two
+Run by hand: `.venv/bin/python benchmarks/routing_bench.py` (about nine minutes on 2 CPU cores). It starts two
 `prefixgate serve` processes on SmolLM2 as the upstreams, each with its cache in memory and a host tier of six tenths
 of the working set, and a third in front of them with `--upstream`. The workload is `--prompts` distinct system prompts
 of about `--prompt-tokens` tokens with `--questions` questions each, asked prompt after prompt, question after
@@ -118,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Odd: with an even count, request i mod 2 would send each prompt to one replica every time.
     parser.add_argument("--prompts", type=int, default=9)
-    parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     args = parser.parse_args()
     pairs = workload(args.prompts, args.questions, args.prompt_tokens)

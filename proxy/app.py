@@ -30,7 +30,7 @@ from prefixgate.errors import (
 )
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
-from prefixgate.proxy.engine import Engine, Generation
+from prefixgate.proxy.engine import Engine, Generation, PromptRequest
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
@@ -181,14 +181,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
 ) -> web.StreamResponse:
-    engine = _engine_for(request, body.model)
-    try:
-        generation = await engine.generate(body.to_prompt_request(request[TENANT]))
-        request[GENERATION] = generation
-    except RequestError as error:
-        if chat and error.param == "prompt":
-            error.param = "messages"  # the engine's prompt is this API's messages
-        raise
+    generation = await _start(request, body.model, body.to_prompt_request(request[TENANT]), chat=chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
@@ -201,17 +194,22 @@ async def _generate(
     return web.json_response(payload, headers=_headers(generation))
 
 
+async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
+    """Start the request's generation on the engine serving `model`, up to its first token."""
+    try:
+        generation = await _engine_for(request, model).generate(prompt)
+    except RequestError as error:
+        if chat and error.param == "prompt":
+            error.param = "messages"  # the engine's prompt is the chat APIs' messages
+        raise
+    request[GENERATION] = generation
+    return generation
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages: Anthropic's Messages API on the same engine."""
     body = api.parse_json(await request.read(), anthropic.MessagesRequest)
-    engine = _engine_for(request, body.model)
-    try:
-        generation = await engine.generate(body.to_prompt_request(request[TENANT]))
-        request[GENERATION] = generation
-    except RequestError as error:
-        if error.param == "prompt":
-            error.param = "messages"
-        raise
+    generation = await _start(request, body.model, body.to_prompt_request(request[TENANT]), chat=True)
     message_id = anthropic.message_id()
     if body.stream:
         async with generation:

@@ -20,7 +20,7 @@ class LRUPolicy(Policy):
         # Only unpinned keys, by their latest insert or touch: the front is the victim in O(1).
         self._recency = RankOrder()
 
-    def victim(self) -> Hashable | None:
+    def _victim(self) -> Hashable | None:
         """Return the unpinned key used least recently, without removing it; None when there is none."""
         return self._recency.first()
 

@@ -26,10 +26,11 @@ class EntryTimes:
 
     inserted_at: float
     last_access: float
-    # The sooner of the absolute and the idle deadline; None when the entry has neither.
+    # The sooner of the absolute and the idle deadline, never before `retained_until`; None when it has neither.
     expires_at: float | None
     hits: int
     pinned: bool
+    retained_until: float | None = None  # kept at least until then: see `Policy.retain`
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class Entry:
     pinned: bool
     inserted_rank: int  # place among all inserts: ties in time still have an order
     used_rank: int  # place of its latest insert or touch, on the same counter
+    retained_until: float | None = None  # absolute; None once the retention is over (see `Policy.retain`)
 
 
 class Policy(ABC):
@@ -53,6 +55,11 @@ class Policy(ABC):
 
     Every operation is O(1) or amortized O(log n); `expired` costs O(log n) plus the number of keys it finds.
     Not thread-safe: the store that owns a policy serializes calls to it.
+
+    A retained entry (`retain`) is kept at least until its retention ends: it never expires before then, and it is
+    chosen as a victim only when no unretained entry is left (then the one whose retention ends soonest), so the
+    budget still holds. While retained it stands outside the victim and expiry orders; when its retention ends it
+    goes back to the place its times give it.
     """
 
     name: ClassVar[str]
@@ -80,10 +87,24 @@ class Policy(ABC):
         # would pay O(log n) and leave a stale item behind on every hit.
         self._deadlines = DeadlineOrder()
         self._idle_order: OrderedDict[Hashable, None] = OrderedDict()
+        # Idle deadlines of entries whose retention ended and that were not used since: their last use is older than
+        # that of entries at the end of `_idle_order`, so they wait in a heap until a use moves them there.
+        self._released_idle = DeadlineOrder()
+        # Retained entries by the end of their retention: all of them, to release them; the unpinned ones, as the
+        # victims of last resort.
+        self._retained = DeadlineOrder()
+        self._retained_victims = DeadlineOrder()
 
-    def insert(self, key: Hashable, *, ttl: float | None = None, pinned: bool = False) -> None:
-        """Track `key` as just inserted, replacing any earlier entry; `ttl` overrides the policy's ttl."""
+    def insert(
+        self, key: Hashable, *, ttl: float | None = None, pinned: bool = False, retain: float | None = None
+    ) -> None:
+        """Track `key` as just inserted, replacing any earlier entry; `ttl` overrides the policy's ttl.
+
+        `retain` keeps it at least that many seconds (see `retain`).
+        """
         lifetime = self._ttl if ttl is None else _seconds("ttl", ttl, "or None for the policy's default")
+        if retain is not None:
+            _seconds("retain", retain, "or None to keep the entry by the policy alone")
         if key in self._entries:
             self._forget(key)
         now = self._clock()
@@ -98,12 +119,28 @@ class Policy(ABC):
             used_rank=rank,
         )
         self._entries[key] = entry
-        if entry.deadline is not None:
-            self._deadlines.add(key, entry.deadline, rank)
-        if self._idle_ttl is not None:
-            self._idle_order[key] = None
-        if not pinned:
-            self._enqueue(key, entry)
+        self._track(key, entry)
+        if retain is not None:
+            self.retain(key, retain)
+
+    def retain(self, key: Hashable, seconds: float) -> None:
+        """Keep `key` at least `seconds` from now (never shortening a longer retention); unknown key: ignored.
+
+        Until then it does not expire, and it is a victim only when every other unpinned entry is retained too.
+        """
+        _seconds("retain", seconds, "to keep the entry that long")
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        until = self._clock() + seconds
+        if entry.retained_until is not None and entry.retained_until >= until:
+            return
+        if entry.retained_until is None:
+            self._untrack(key, entry)
+        entry.retained_until = until
+        self._retained.add(key, until, entry.inserted_rank)
+        if not entry.pinned:
+            self._retained_victims.add(key, until, entry.inserted_rank)
 
     def touch(self, key: Hashable) -> None:
         """Record a hit on `key`; an unknown key is ignored."""
@@ -113,7 +150,11 @@ class Policy(ABC):
         entry.last_access = self._clock()
         entry.used_rank = next(self._ranks)
         entry.hits += 1
+        if entry.retained_until is not None:
+            return  # outside the orders until its retention ends; it comes back at the place this use gives it
         if self._idle_ttl is not None:
+            self._released_idle.discard(key)
+            self._idle_order[key] = None
             self._idle_order.move_to_end(key)
         if not entry.pinned:
             self._requeue(key, entry)
@@ -130,22 +171,36 @@ class Policy(ABC):
             entry.pinned = True
             # Pinned keys leave the victim order, so victim() never wades through them.
             self._dequeue(key)
+            self._retained_victims.discard(key)
 
     def unpin(self, key: Hashable) -> None:
         """Let `key` be chosen by `victim` again, in the place its times give it. Unknown key: ignored."""
         entry = self._entries.get(key)
         if entry is not None and entry.pinned:
             entry.pinned = False
-            self._enqueue(key, entry)
+            if entry.retained_until is None:
+                self._enqueue(key, entry)
+            else:
+                self._retained_victims.add(key, entry.retained_until, entry.inserted_rank)
 
-    @abstractmethod
     def victim(self) -> Hashable | None:
-        """Return the unpinned key to evict next, without removing it; None when there is none."""
+        """Return the unpinned key to evict next, without removing it; None when there is none.
+
+        The policy's own choice among unretained entries; when every unpinned entry is retained, the one whose
+        retention ends soonest.
+        """
+        self._release_due()
+        chosen = self._victim()
+        return chosen if chosen is not None else self._retained_victims.first()
 
     def expired(self) -> list[Hashable]:
-        """Return the keys whose absolute or idle deadline is <= now, soonest deadline first; remove none."""
+        """Return the keys whose absolute or idle deadline is <= now, soonest deadline first; remove none.
+
+        A retained key is never among them before its retention ends.
+        """
+        self._release_due()
         now = self._clock()
-        due = set(self._deadlines.due(now))
+        due = set(self._deadlines.due(now)) | set(self._released_idle.due(now))
         if self._idle_ttl is not None:
             for key in self._idle_order:  # least recently used first: stop at the first one still alive
                 if self._entries[key].last_access + self._idle_ttl > now:
@@ -164,6 +219,7 @@ class Policy(ABC):
             expires_at=self._expires_at(entry),
             hits=entry.hits,
             pinned=entry.pinned,
+            retained_until=entry.retained_until,
         )
 
     def __contains__(self, key: object) -> bool:
@@ -175,7 +231,11 @@ class Policy(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(entries={len(self)}, ttl={self._ttl}, idle_ttl={self._idle_ttl})"
 
-    # Hooks: a subclass keeps its own victim order over the unpinned entries only.
+    # Hooks: a subclass keeps its own victim order over the unpinned, unretained entries only.
+
+    @abstractmethod
+    def _victim(self) -> Hashable | None:
+        """Return the key first in the victim order, without removing it; None when the order is empty."""
 
     @abstractmethod
     def _enqueue(self, key: Hashable, entry: Entry) -> None:
@@ -192,8 +252,12 @@ class Policy(ABC):
     def _expires_at(self, entry: Entry) -> float | None:
         idle = None if self._idle_ttl is None else entry.last_access + self._idle_ttl
         if entry.deadline is None or idle is None:
-            return idle if entry.deadline is None else entry.deadline
-        return min(entry.deadline, idle)
+            expires = idle if entry.deadline is None else entry.deadline
+        else:
+            expires = min(entry.deadline, idle)
+        if expires is None or entry.retained_until is None:
+            return expires
+        return max(expires, entry.retained_until)
 
     def _expiry_order(self, key: Hashable) -> tuple[float, int]:
         entry = self._entries[key]
@@ -201,12 +265,44 @@ class Policy(ABC):
         assert expires_at is not None, "only entries with a deadline can expire"
         return expires_at, entry.inserted_rank
 
-    def _forget(self, key: Hashable) -> None:
-        entry = self._entries.pop(key)
+    def _track(self, key: Hashable, entry: Entry) -> None:
+        """Put an unretained entry in the expiry orders, and in the victim order unless pinned."""
+        if entry.deadline is not None:
+            self._deadlines.add(key, entry.deadline, entry.inserted_rank)
+        if self._idle_ttl is not None:
+            self._idle_order[key] = None
+        if not entry.pinned:
+            self._enqueue(key, entry)
+
+    def _untrack(self, key: Hashable, entry: Entry) -> None:
         self._deadlines.discard(key)
         self._idle_order.pop(key, None)
+        self._released_idle.discard(key)
         if not entry.pinned:
             self._dequeue(key)
+
+    def _release_due(self) -> None:
+        """Put entries whose retention has ended back in the orders, at the places their times give them."""
+        now = self._clock()
+        for key in self._retained.due(now):
+            entry = self._entries[key]
+            entry.retained_until = None
+            self._retained.discard(key)
+            self._retained_victims.discard(key)
+            if entry.deadline is not None:
+                self._deadlines.add(key, entry.deadline, entry.inserted_rank)
+            if self._idle_ttl is not None:
+                # Not at the end of `_idle_order`: entries used after it sit there, and `expired` stops at the first
+                # one still alive.
+                self._released_idle.add(key, entry.last_access + self._idle_ttl, entry.used_rank)
+            if not entry.pinned:
+                self._enqueue(key, entry)  # the orders place a returning key by its old rank
+
+    def _forget(self, key: Hashable) -> None:
+        entry = self._entries.pop(key)
+        self._retained.discard(key)
+        self._retained_victims.discard(key)
+        self._untrack(key, entry)
 
 
 def _seconds(name: str, value: object, none_means: str) -> float:

@@ -25,7 +25,7 @@ class TTLPolicy(Policy):
         self._by_deadline = DeadlineOrder()
         self._by_use = RankOrder()
 
-    def victim(self) -> Hashable | None:
+    def _victim(self) -> Hashable | None:
         """Return the unpinned key that expires soonest, without removing it; None when there is none."""
         candidates = [key for key in (self._by_deadline.first(), self._by_use.first()) if key is not None]
         if not candidates:

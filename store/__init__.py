@@ -1,13 +1,12 @@
 """The tiered KV block store: block keys, the block codec, the device, host and disk tiers, and the store.
 
-Exports: `TieredStore` (open, lookup, fetch, put, inspect, delete, flush), its `StoreConfig`, `TierConfig` and
-`RemoteConfig` (the Redis tier),
-`Block` and `BlockLayout`, `BlockKey`, `Namespace` and `chain_keys`, and what inspection returns
-(`PrefixMatch`, `PrefixHit`, `TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never HTTP or
-models.
+Exports: `TieredStore` (open, lookup, fetch, put, retain, inspect, delete, flush), its `StoreConfig`, `TierConfig`
+and `RemoteConfig` (the Redis tier), `Block`, `BlockLayout` and `Keep` (how a block is kept: pinned, own ttl,
+retention), `BlockKey`, `Namespace` and `chain_keys`, and what inspection returns (`PrefixMatch`, `PrefixHit`,
+`TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never HTTP or models.
 """
 
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import Block, BlockLayout, Keep
 from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
 from prefixgate.store.tiered_store import PrefixHit, PrefixMatch, RemoteConfig, StoreConfig, TierConfig, TieredStore
@@ -18,6 +17,7 @@ __all__ = [
     "BlockKey",
     "BlockLayout",
     "EntryInfo",
+    "Keep",
     "Namespace",
     "PrefixHit",
     "PrefixMatch",

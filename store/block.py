@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 import torch
@@ -62,6 +62,24 @@ class Block:
     parent: BlockKey | None = None  # the key of the block before it; None for block 0
     tenant: str = ""  # who computed it, for inspection; isolation comes from the key's namespace
     created: float = 0.0  # wall-clock seconds, for inspection
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """How the store keeps a block, beyond its policies: pinned, its own lifetime, and a retention."""
+
+    pinned: bool = False  # never evicted until unpinned; it still expires
+    ttl: float | None = None  # its own lifetime, in seconds from `Block.created`: it expires then
+    # Wall-clock seconds: until then it never expires, and it is evicted only when nothing unretained is left to go.
+    retain_until: float | None = None
+
+    def merged(self, other: Keep) -> Keep:
+        """Return these attributes with `other`'s retention kept where it lasts longer."""
+        ends = [until for until in (self.retain_until, other.retain_until) if until is not None]
+        return replace(self, retain_until=max(ends, default=None))
+
+
+BY_POLICY = Keep()  # a block its tiers' policies alone keep: the default
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from prefixgate.errors import StoreError
-from prefixgate.store.block import Block, BlockLayout, dtype_from_name
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep, dtype_from_name
 from prefixgate.store.keys import BlockKey
 
 # value = MAGIC | u32 header length | msgpack header | raw tensor bytes
@@ -34,12 +34,11 @@ class BlockHeader:
     parent: BlockKey | None
     tenant: str
     created: float
-    pinned: bool
-    ttl: float | None
+    keep: Keep
     nbytes: int  # of the tensor payload
 
 
-def encode(block: Block, *, pinned: bool = False, ttl: float | None = None) -> bytes:
+def encode(block: Block, keep: Keep = BY_POLICY) -> bytes:
     """Return the stored value of `block`."""
     kv = block.kv.detach().contiguous().cpu()
     payload = kv.view(torch.uint8).numpy()
@@ -53,8 +52,9 @@ def encode(block: Block, *, pinned: bool = False, ttl: float | None = None) -> b
             "parent": block.parent.digest if block.parent is not None else None,
             "tenant": block.tenant,
             "created": block.created,
-            "pinned": pinned,
-            "ttl": ttl,
+            "pinned": keep.pinned,
+            "ttl": keep.ttl,
+            "retain_until": keep.retain_until,
         }
     )
     return b"".join((_PREFIX.pack(MAGIC, len(header)), header, payload.data))
@@ -77,8 +77,8 @@ def read_header(value: bytes | memoryview) -> tuple[BlockHeader, int]:
             parent=BlockKey(parent) if parent is not None else None,
             tenant=fields["tenant"],
             created=fields["created"],
-            pinned=fields["pinned"],
-            ttl=fields["ttl"],
+            # Values written before retentions existed have none.
+            keep=Keep(fields["pinned"], fields["ttl"], fields.get("retain_until")),
             nbytes=len(value) - start - length,
         )
     except CorruptBlockError:

@@ -14,7 +14,7 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import BlockHeader, CorruptBlockError, decode, encode, read_header
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.tier import EntryInfo, Tier
@@ -30,8 +30,7 @@ _QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it
 @dataclass(frozen=True, slots=True)
 class _Put:
     block: Block
-    pinned: bool
-    ttl: float | None
+    keep: Keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +156,21 @@ class LMDBTier(Tier):
         except CorruptBlockError:
             return None  # the next `get` drops and counts it
 
-    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
+    def attrs(self, key: BlockKey) -> Keep | None:
         with self._lock:
             header = self._index.get(key)
-        return None if header is None else (header.pinned, header.ttl)
+        return None if header is None else header.keep
+
+    def retain(self, key: BlockKey, until: float) -> bool:
+        # Kept in the index and the policy, not rewritten on disk: a rewrite is the whole block, and a retention
+        # refreshed on every hit would write it each time. The stored one (from its last write) holds after a restart.
+        with self._lock:
+            header = self._index.get(key)
+            if header is None:
+                return False
+            self._index[key] = replace(header, keep=header.keep.merged(Keep(retain_until=until)))
+            self._retain(key, until)
+        return True
 
     def touch(self, key: BlockKey) -> None:
         with self._lock:
@@ -174,7 +184,7 @@ class LMDBTier(Tier):
         with self._lock:
             return super().expired()
 
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+    def put(self, block: Block, keep: Keep = BY_POLICY) -> bool:
         self.layout.check(block)
         with self._lock:
             if self._unwritten >= self._max_unwritten:
@@ -183,7 +193,7 @@ class LMDBTier(Tier):
                 # their tensors still held. The block stays in its memory tier; only its disk copy is skipped.
                 self.counters.add("dropped_writes")
                 return False
-            self._enqueue(_Put(block, pinned, ttl))
+            self._enqueue(_Put(block, keep))
         return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -202,7 +212,7 @@ class LMDBTier(Tier):
         # Rewritten through the writer, so the pin survives a restart like everything else on disk. Queued even
         # when the writer is behind: a pin is an operator's request, rare and small next to write-throughs.
         with self._lock:
-            self._enqueue(_Put(block, pinned, attrs[1]))
+            self._enqueue(_Put(block, replace(attrs, pinned=pinned)))
         return True
 
     def keys(self) -> list[BlockKey]:
@@ -226,7 +236,8 @@ class LMDBTier(Tier):
             last_access=times.last_access,
             expires_at=times.expires_at,
             hits=times.hits,
-            pinned=header.pinned,
+            pinned=header.keep.pinned,
+            retained_until=times.retained_until,
         )
 
     def clear(self) -> int:
@@ -310,7 +321,7 @@ class LMDBTier(Tier):
 
     def _register(self, key: BlockKey, header: BlockHeader) -> None:
         self._index[key] = header
-        self.policy.insert(key, ttl=self._ttl_left(header.created, header.ttl), pinned=header.pinned)
+        self._track(key, header.created, header.keep)
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:
@@ -330,7 +341,7 @@ class LMDBTier(Tier):
         """Queue a block for the writer, serving it from memory meanwhile; the caller holds the lock."""
         self._index[op.block.key] = self._header_of(op)
         self._pending[op.block.key] = op
-        self.policy.insert(op.block.key, ttl=self._ttl_left(op.block.created, op.ttl), pinned=op.pinned)
+        self._track(op.block.key, op.block.created, op.keep)
         self._unwritten += 1
         self._queue.put(op)
 
@@ -344,8 +355,7 @@ class LMDBTier(Tier):
             parent=block.parent,
             tenant=block.tenant,
             created=block.created,
-            pinned=op.pinned,
-            ttl=op.ttl,
+            keep=op.keep,
             nbytes=self.layout.nbytes,
         )
 
@@ -397,7 +407,7 @@ class LMDBTier(Tier):
         return landed
 
     def _commit(self, batch: list[_Put | _Delete]) -> None:
-        values = {id(op): encode(op.block, pinned=op.pinned, ttl=op.ttl) for op in batch if isinstance(op, _Put)}
+        values = {id(op): encode(op.block, op.keep) for op in batch if isinstance(op, _Put)}
         while True:
             try:
                 with self._begin(write=True) as txn:

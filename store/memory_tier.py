@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.tier import EntryInfo, Tier
 
@@ -27,8 +27,7 @@ def pins_pool(pool: torch.device, model: torch.device) -> bool:
 class _Slot:
     index: int
     block: Block  # its kv is a view into the pool
-    pinned: bool
-    ttl: float | None
+    keep: Keep
 
 
 class MemoryTier(Tier):
@@ -89,11 +88,19 @@ class MemoryTier(Tier):
         slot = self._slots.get(key)
         return None if slot is None else slot.block
 
-    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
+    def attrs(self, key: BlockKey) -> Keep | None:
         slot = self._slots.get(key)
-        return None if slot is None else (slot.pinned, slot.ttl)
+        return None if slot is None else slot.keep
 
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+    def retain(self, key: BlockKey, until: float) -> bool:
+        slot = self._slots.get(key)
+        if slot is None:
+            return False
+        slot.keep = slot.keep.merged(Keep(retain_until=until))
+        self._retain(key, until)
+        return True
+
+    def put(self, block: Block, keep: Keep = BY_POLICY) -> bool:
         self.layout.check(block)
         slot = self._slots.get(block.key)
         if slot is None:
@@ -105,8 +112,8 @@ class MemoryTier(Tier):
         # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
         view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
-        self._slots[block.key] = _Slot(index, stored, pinned, ttl)
-        self.policy.insert(block.key, ttl=self._ttl_left(block.created, ttl), pinned=pinned)
+        self._slots[block.key] = _Slot(index, stored, keep)
+        self._track(block.key, block.created, keep)
         return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -121,7 +128,7 @@ class MemoryTier(Tier):
         slot = self._slots.get(key)
         if slot is None:
             return False
-        slot.pinned = pinned
+        slot.keep = replace(slot.keep, pinned=pinned)
         if pinned:
             self.policy.pin(key)
         else:
@@ -148,7 +155,8 @@ class MemoryTier(Tier):
             last_access=times.last_access,
             expires_at=times.expires_at,
             hits=times.hits,
-            pinned=slot.pinned,
+            pinned=slot.keep.pinned,
+            retained_until=times.retained_until,
         )
 
     def close(self) -> None:

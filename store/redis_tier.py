@@ -38,7 +38,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from redis.retry import Retry
 
 from prefixgate.errors import ConfigError, StoreError
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import CorruptBlockError, decode, encode
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.tier import TierCounters
@@ -100,18 +100,16 @@ class RedisUsage:
 
 @dataclass(frozen=True, slots=True)
 class RemoteBlock:
-    """One verified block of a chain read, with the pin and own ttl it was written with."""
+    """One verified block of a chain read, with how it was kept when written."""
 
     block: Block
-    pinned: bool
-    ttl: float | None  # seconds from `block.created`
+    keep: Keep
 
 
 @dataclass(frozen=True, slots=True)
 class _Put:
     block: Block
-    pinned: bool
-    ttl: float | None
+    keep: Keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +229,7 @@ class RedisTier:
             if block.tokens != tuple(tokens[span]):
                 self._drop_corrupt(key, "tokens differ")
                 break
-            found.append(RemoteBlock(block, header.pinned, header.ttl))
+            found.append(RemoteBlock(block, header.keep))
         self.counters.add("hits", len(found))
         if len(found) < len(keys):
             self.counters.add("misses")
@@ -342,16 +340,16 @@ class RedisTier:
 
     # -- writing ------------------------------------------------------------------------------------------------
 
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+    def put(self, block: Block, keep: Keep = BY_POLICY) -> bool:
         """Queue `block` for Redis; return whether it was taken.
 
-        `ttl` is the block's own lifetime in seconds from `block.created`; Redis keeps the block for that or the
-        tier's ttl, whichever ends first, and a block whose own lifetime is over is not taken. A block is dropped,
-        and counted in `dropped_writes`, when the writer is too far behind or Redis is unavailable. The writer
-        encodes the tensor later: hand one that nothing overwrites.
+        Redis keeps the block for the tier's ttl or its own (`keep.ttl`, from `block.created`), whichever ends
+        first, and at least until its retention ends; a block whose own lifetime is over is not taken. A block is
+        dropped, and counted in `dropped_writes`, when the writer is too far behind or Redis is unavailable. The
+        writer encodes the tensor later: hand one that nothing overwrites.
         """
         self.layout.check(block)
-        if self._lifetime_ms(block.created, ttl) is None:
+        if self._lifetime_ms(block.created, keep) is None:
             return False
         with self._lock:
             # Dropped rather than waited for: the caller may hold the store's lock, and the block stays in the tiers
@@ -360,7 +358,7 @@ class RedisTier:
                 self.counters.add("dropped_writes")
                 return False
             self._queued += 1
-        self._queue.put(_Put(block, pinned, ttl))
+        self._queue.put(_Put(block, keep))
         return True
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
@@ -467,10 +465,10 @@ class RedisTier:
                     pipe.unlink(_redis_key(key))
                     sizes.append(None)
                 continue
-            lifetime = self._lifetime_ms(op.block.created, op.ttl)
+            lifetime = self._lifetime_ms(op.block.created, op.keep)
             if lifetime is None:
                 continue  # its own lifetime ran out while it waited
-            value = encode(op.block, pinned=op.pinned, ttl=op.ttl)
+            value = encode(op.block, op.keep)
             pipe.set(_redis_key(op.block.key), value, px=lifetime)
             sizes.append(len(value))
         if not sizes:
@@ -499,9 +497,13 @@ class RedisTier:
 
     # -- faults -------------------------------------------------------------------------------------------------
 
-    def _lifetime_ms(self, created: float, ttl: float | None) -> int | None:
-        """Return how long Redis keeps a block, in ms: the tier's ttl, or what is left of its own when sooner."""
-        lifetime = self.ttl if ttl is None else min(self.ttl, created + ttl - self._clock())
+    def _lifetime_ms(self, created: float, keep: Keep) -> int | None:
+        """Return how long Redis keeps a block, in ms: the tier's ttl, or what is left of its own when sooner, and
+        at least what is left of its retention."""
+        now = self._clock()
+        lifetime = self.ttl if keep.ttl is None else min(self.ttl, created + keep.ttl - now)
+        if keep.retain_until is not None:
+            lifetime = max(lifetime, keep.retain_until - now)
         milliseconds = int(lifetime * 1000)
         return milliseconds if milliseconds > 0 else None
 

@@ -11,7 +11,7 @@ from typing import cast
 import torch
 
 from prefixgate.policies import Policy
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.keys import BlockKey
 
 
@@ -30,6 +30,7 @@ class EntryInfo:
     expires_at: float | None  # the policy clock's seconds
     hits: int
     pinned: bool
+    retained_until: float | None  # the policy clock's seconds it is kept at least until; None: by the policy alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,17 +149,20 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def put(self, block: Block, *, pinned: bool = False, ttl: float | None = None) -> bool:
+    def put(self, block: Block, keep: Keep = BY_POLICY) -> bool:
         """Hold `block`, replacing any block of the same key; the caller has made room. Return whether it was taken.
 
-        `ttl` is the block's own lifetime in seconds from `block.created`, overriding the policy's default. Only a
-        tier that writes in the background refuses a block, and counts it in `dropped_writes`: when its writer is
-        too far behind.
+        `keep.ttl` overrides the policy's default lifetime. Only a tier that writes in the background refuses a
+        block, and counts it in `dropped_writes`: when its writer is too far behind.
         """
 
     @abstractmethod
-    def attrs(self, key: BlockKey) -> tuple[bool, float | None] | None:
-        """Return whether the block is pinned and its own ttl, or None when it is not held."""
+    def attrs(self, key: BlockKey) -> Keep | None:
+        """Return how the block is kept, or None when it is not held."""
+
+    @abstractmethod
+    def retain(self, key: BlockKey, until: float) -> bool:
+        """Keep the block at least until `until` (wall clock; a longer retention stays); return whether it is held."""
 
     @abstractmethod
     def remove(self, key: BlockKey) -> bool:
@@ -190,8 +194,16 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
         """Release what the tier holds open."""
 
-    def _ttl_left(self, created: float, ttl: float | None) -> float | None:
-        """Return what is left of a block's own lifetime, so moving between tiers never extends it."""
-        if ttl is None:
-            return None
-        return max(created + ttl - self.clock(), 1e-9)
+    def _track(self, key: BlockKey, created: float, keep: Keep) -> None:
+        """Insert the block into the policy: what is left of its own lifetime and of its retention, so moving between
+        tiers neither extends nor shortens them."""
+        now = self.clock()
+        ttl = None if keep.ttl is None else max(created + keep.ttl - now, 1e-9)
+        retain = None if keep.retain_until is None or keep.retain_until <= now else keep.retain_until - now
+        self.policy.insert(key, ttl=ttl, pinned=keep.pinned, retain=retain)
+
+    def _retain(self, key: BlockKey, until: float) -> None:
+        """Extend the policy's retention of a held block."""
+        seconds = until - self.clock()
+        if seconds > 0:
+            self.policy.retain(key, seconds)

@@ -14,7 +14,7 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy, make_policy
-from prefixgate.store.block import Block, BlockLayout
+from prefixgate.store.block import Block, BlockLayout, Keep
 from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
@@ -276,16 +276,25 @@ class TieredStore:
 
     # -- inserts ------------------------------------------------------------------------------------------------
 
-    def put(self, blocks: Sequence[Block], *, pinned: bool = False, ttl: float | None = None) -> int:
+    def put(
+        self,
+        blocks: Sequence[Block],
+        *,
+        pinned: bool = False,
+        ttl: float | None = None,
+        retain: float | None = None,
+    ) -> int:
         """Insert blocks (standalone tensors the store may keep); return how many were new to the store.
 
         `pinned` blocks are never evicted until unpinned or expired; `ttl` (seconds from the block's creation)
-        overrides the tiers' own. A block with no creation time is stamped with the store's clock.
+        overrides the tiers' own; `retain` keeps them at least that many seconds from now (see `retain`). A block
+        with no creation time is stamped with the store's clock.
         """
         for block in blocks:
             self.layout.check(block)
         self.expire()
         now = self._clock()
+        keep = Keep(pinned, ttl, None if retain is None else now + retain)
         changes_attrs = pinned or ttl is not None
         added = 0
         with self._lock:
@@ -300,14 +309,33 @@ class TieredStore:
                     where.touch(block.key)  # already in memory: just a use
                     continue
                 added += where is None
+                # A block held already keeps a longer retention it has.
+                held = where.attrs(block.key) if where is not None else None
+                block_keep = keep if held is None else keep.merged(held)
                 if top is not None:
                     self._remove_from_memory(block.key)
-                    self._insert(top, block, pinned, ttl)
+                    self._insert(top, block, block_keep)
                 if self._disk is not None and (where is None or changes_attrs):
-                    self._insert(len(self.tiers) - 1, block, pinned, ttl)
+                    self._insert(len(self.tiers) - 1, block, block_keep)
                 if self.remote is not None and (where is None or changes_attrs):
-                    self.remote.put(block, pinned=pinned, ttl=ttl)
+                    self.remote.put(block, block_keep)
+            if keep.retain_until is not None:
+                self._retain_held([block.key for block in blocks], keep.retain_until)
         return added
+
+    def retain(self, keys: Sequence[BlockKey], seconds: float) -> int:
+        """Keep the blocks held locally at least `seconds` from now; return how many are held.
+
+        A retained block never expires before its retention ends, and a tier evicts it only when nothing unretained
+        is left to evict there (its budget still holds); evicted from a memory tier, it is demoted like any other. A
+        retention only grows: a shorter one leaves a longer one as it is. The remote tier keeps the retention a
+        block was written with, not later ones.
+        """
+        if not seconds > 0:
+            raise ValueError(f"retain needs a positive number of seconds, got {seconds}")
+        self.expire()  # a block whose time is up is not brought back
+        with self._lock:
+            return self._retain_held(keys, self._clock() + seconds)
 
     def pin(self, key: BlockKey, pinned: bool = True) -> bool:
         """Pin (or unpin) a block in every tier holding it; return whether any does."""
@@ -457,19 +485,25 @@ class TieredStore:
             tier.counters.add("misses")
         return None
 
+    def _retain_held(self, keys: Sequence[BlockKey], until: float) -> int:
+        held = 0
+        for key in keys:
+            held += any([tier.retain(key, until) for tier in self.tiers])
+        return held
+
     def _promote(self, level: int, block: Block) -> None:
         with self._lock:
             source = self.tiers[level]
-            attrs = source.attrs(block.key)
+            keep = source.attrs(block.key)
             # Inserted above before it leaves here: when the top tier cannot take it (full of pinned blocks), it
             # stays where it is rather than being lost.
-            if attrs is None or not self._insert(0, block, *attrs):
+            if keep is None or not self._insert(0, block, keep):
                 return
             if not source.persistent:
                 source.remove(block.key)
             source.counters.add("promotions")
 
-    def _insert(self, level: int, block: Block, pinned: bool, ttl: float | None) -> bool:
+    def _insert(self, level: int, block: Block, keep: Keep) -> bool:
         """Put a block in one tier, demoting its victims; return False when the tier cannot take it."""
         tier = self.tiers[level]
         if not tier.can_hold(1):
@@ -480,7 +514,7 @@ class TieredStore:
                 if victim is None:
                     return False  # everything here is pinned
                 self._demote(level, victim)
-        return tier.put(block, pinned=pinned, ttl=ttl)
+        return tier.put(block, keep)
 
     def _promote_remote(self, found: Sequence[RemoteBlock]) -> None:
         """Keep blocks read from the remote tier in the top local tier, as a disk hit is kept."""
@@ -493,22 +527,22 @@ class TieredStore:
                 block = remote.block
                 if top.persistent:  # the tensor is a view into the caller's buffer, and the disk writer encodes later
                     block = replace(block, kv=block.kv.clone())
-                promoted += self._insert(0, block, remote.pinned, remote.ttl)
+                promoted += self._insert(0, block, remote.keep)
         assert self.remote is not None
         self.remote.counters.add("promotions", promoted)
 
     def _demote(self, level: int, key: BlockKey) -> None:
         tier = self.tiers[level]
-        block, attrs = tier.peek(key), tier.attrs(key)
+        block, keep = tier.peek(key), tier.attrs(key)
         below = self.tiers[level + 1] if level + 1 < len(self.tiers) else None
         moved = False
-        if block is not None and attrs is not None and below is not None:
+        if block is not None and keep is not None and below is not None:
             if below.persistent and below.contains(key):
                 moved = True  # written through already
             else:
                 # The tensor is a view into this tier's pool, and the disk writer encodes it later: copy it.
                 kv = block.kv.clone() if below.persistent else block.kv
-                moved = self._insert(level + 1, replace(block, kv=kv), *attrs)
+                moved = self._insert(level + 1, replace(block, kv=kv), keep)
         tier.remove(key)
         tier.counters.add("demotions" if moved else "evictions")
 

@@ -261,9 +261,67 @@ def test_bad_ttl_option_raises_config_error_saying_what_to_set(name: str, option
     assert f"set {option} to a number above 0" in str(caught.value)
 
 
+@pytest.mark.parametrize("option", ["ttl", "retain"])
 @pytest.mark.parametrize("value", BAD_SECONDS, ids=repr)
-def test_bad_per_entry_ttl_raises_config_error_and_inserts_nothing(make: MakePolicy, value: object) -> None:
+def test_bad_per_entry_ttl_or_retention_raises_config_error_and_inserts_nothing(
+    make: MakePolicy, option: str, value: object
+) -> None:
     policy = make()
-    with pytest.raises(ConfigError, match="ttl must be a positive, finite number of seconds"):
-        policy.insert("a", ttl=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=f"{option} must be a positive, finite number of seconds"):
+        policy.insert("a", **{option: value})  # type: ignore[arg-type]
     assert "a" not in policy
+
+
+def test_retained_entries_go_when_nothing_unretained_is_left_soonest_retention_end_first(make: MakePolicy) -> None:
+    policy = make()
+    policy.insert("long", retain=3600)
+    policy.insert("short", retain=300)
+    policy.insert("b")
+    policy.insert("pinned", pinned=True)
+    assert drain(policy) == ["b", "short", "long"]  # within the budget: a retained entry goes when nothing else can
+
+
+def test_retained_entry_outlives_its_ttl_and_expires_once_retention_ends(make: MakePolicy, clock: FakeClock) -> None:
+    policy = make(ttl=10, idle_ttl=5)
+    policy.insert("a", retain=60)
+    clock.advance(59)
+    assert policy.expired() == []
+    assert policy.info("a") == EntryTimes(1000.0, 1000.0, 1060.0, hits=0, pinned=False, retained_until=1060.0)
+    clock.advance(1)
+    assert policy.expired() == ["a"]
+    assert policy.info("a") == EntryTimes(1000.0, 1000.0, 1005.0, hits=0, pinned=False)
+
+
+def test_entry_returns_to_its_place_by_use_when_retention_ends(make: MakePolicy, clock: FakeClock) -> None:
+    policy = make()
+    policy.insert("a", retain=10)
+    clock.advance(1)
+    policy.insert("b")
+    policy.insert("c")
+    assert policy.victim() == "b"
+    clock.advance(10)
+    # Retention over: "a" is the oldest insert, used least recently, and (ttl) the first to expire.
+    assert drain(policy) == ["a", "b", "c"]
+
+
+def test_retain_extends_but_never_shortens_a_retention(make: MakePolicy, clock: FakeClock) -> None:
+    policy = make()
+    policy.insert("a", retain=100)
+    policy.retain("a", 10)
+    policy.retain("ghost", 10)  # unknown: ignored
+    info = policy.info("a")
+    assert info is not None and info.retained_until == 1100.0
+    policy.retain("a", 500)
+    info = policy.info("a")
+    assert info is not None and info.retained_until == 1500.0
+
+
+def test_pinned_retained_entry_is_never_a_victim(make: MakePolicy, clock: FakeClock) -> None:
+    policy = make()
+    policy.insert("a", retain=100, pinned=True)
+    assert policy.victim() is None
+    policy.unpin("a")
+    assert policy.victim() == "a"
+    clock.advance(100)
+    policy.pin("a")
+    assert policy.victim() is None

@@ -23,6 +23,7 @@ class Record:
     pinned: bool
     inserted_rank: int
     used_rank: int
+    retained_until: float | None = None
 
 
 class NaiveModel:
@@ -38,11 +39,20 @@ class NaiveModel:
     def clock(self) -> float:
         return self.now
 
-    def insert(self, key: Hashable, ttl: float | None, pinned: bool) -> None:
+    def insert(self, key: Hashable, ttl: float | None, pinned: bool, retain: float | None) -> None:
         lifetime = ttl if ttl is not None else self.ttl
         deadline = None if lifetime is None else self.now + lifetime
         self.rank += 1
-        self.records[key] = Record(self.now, self.now, deadline, pinned, self.rank, self.rank)
+        until = None if retain is None else self.now + retain
+        self.records[key] = Record(self.now, self.now, deadline, pinned, self.rank, self.rank, until)
+
+    def retain(self, key: Hashable, seconds: float) -> None:
+        record = self.records.get(key)
+        if record is not None:
+            record.retained_until = max(record.retained_until or 0.0, self.now + seconds)
+
+    def retained(self, record: Record) -> bool:
+        return record.retained_until is not None and record.retained_until > self.now
 
     def touch(self, key: Hashable) -> None:
         if key in self.records:
@@ -56,14 +66,20 @@ class NaiveModel:
         return min(deadlines, default=float("inf"))
 
     def expired(self) -> list[Hashable]:
-        due = [key for key, record in self.records.items() if self.expires_at(record) <= self.now]
+        due = [
+            key
+            for key, record in self.records.items()
+            if not self.retained(record) and self.expires_at(record) <= self.now
+        ]
         return sorted(due, key=lambda key: (self.expires_at(self.records[key]), self.records[key].inserted_rank))
 
     def victim(self, policy_name: str) -> Hashable | None:
         unpinned = {key: record for key, record in self.records.items() if not record.pinned}
-        if not unpinned:
-            return None
-        return min(unpinned, key=lambda key: self._victim_rank(policy_name, unpinned[key]))
+        free = {key: record for key, record in unpinned.items() if not self.retained(record)}
+        if free:
+            return min(free, key=lambda key: self._victim_rank(policy_name, free[key]))
+        # Every unpinned entry is retained: the one whose retention ends soonest.
+        return min(unpinned, key=lambda key: (unpinned[key].retained_until, unpinned[key].inserted_rank), default=None)
 
     def _victim_rank(self, policy_name: str, record: Record) -> tuple[float, int]:
         # A new policy needs its rule here too; the KeyError says so.
@@ -102,8 +118,13 @@ def test_policy_agrees_with_naive_model_over_random_operations(
         if op < 0.3:
             entry_ttl = rng.choice([None, None, 3.0, 11.5, 40.0])
             pinned = rng.random() < 0.15
-            policy.insert(key, ttl=entry_ttl, pinned=pinned)
-            model.insert(key, entry_ttl, pinned)
+            retain = rng.choice([None, None, None, 2.5, 14.0])
+            policy.insert(key, ttl=entry_ttl, pinned=pinned, retain=retain)
+            model.insert(key, entry_ttl, pinned, retain)
+        elif op < 0.36:
+            seconds = rng.choice([1.5, 6.0, 30.0])
+            policy.retain(key, seconds)
+            model.retain(key, seconds)
         elif op < 0.55:
             policy.touch(key)
             model.touch(key)
@@ -127,3 +148,6 @@ def test_policy_agrees_with_naive_model_over_random_operations(
         assert policy.victim() == model.victim(name), f"victim differs at step {step}"
         assert policy.expired() == model.expired(), f"expired differs at step {step}"
         assert len(policy) == len(model.records)
+        info = policy.info(key)
+        if info is not None and model.retained(model.records[key]):
+            assert info.retained_until == model.records[key].retained_until

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixgate.store import Block, BlockKey, BlockLayout
+from prefixgate.store import Block, BlockKey, BlockLayout, Keep
 from prefixgate.store.codec import CorruptBlockError, decode, encode, read_header
 
 KEY = BlockKey(bytes(range(16)))
@@ -21,11 +21,11 @@ def make_block(dtype: torch.dtype) -> tuple[Block, BlockLayout]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_returns_exactly_what_was_encoded(dtype: torch.dtype) -> None:
     block, layout = make_block(dtype)
-    decoded, header = decode(KEY, encode(block, pinned=True, ttl=30.0), layout)
+    decoded, header = decode(KEY, encode(block, Keep(pinned=True, ttl=30.0, retain_until=5.0)), layout)
     assert torch.equal(decoded.kv, block.kv)
     assert decoded.kv.dtype == dtype
     assert (decoded.tokens, decoded.parent, decoded.tenant, decoded.created) == ((1, 2, 3, 70000), PARENT, "acme", 12.5)
-    assert (header.pinned, header.ttl, header.nbytes) == (True, 30.0, layout.nbytes)
+    assert (header.keep, header.nbytes) == (Keep(pinned=True, ttl=30.0, retain_until=5.0), layout.nbytes)
 
 
 def test_a_flipped_payload_byte_fails_the_checksum() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockLayout, chain_keys
+from prefixgate.store import Block, BlockLayout, Keep, chain_keys
 from prefixgate.store.lmdb_tier import LMDBTier
 from tests.store.conftest import FakeClock, make_namespace
 
@@ -152,7 +152,7 @@ def test_a_map_full_of_pinned_blocks_drops_the_new_write_and_keeps_the_old(tmp_p
     tier = open_tier(tmp_path, 100, map_bytes=1 << 20)
     blocks = big_blocks(12)
     for block in blocks:
-        tier.put(block, pinned=True)
+        tier.put(block, Keep(pinned=True))
     tier.flush()
     held = [block for block in blocks if tier.get(block.key, block.tokens) is not None]
     assert 0 < len(held) < 12
@@ -259,7 +259,7 @@ def test_a_block_evicted_while_writing_one_at_a_time_is_served_once_another_proc
     blocks = big_blocks(count)
     filler, late, evicted = blocks[:12], blocks[12:15], blocks[15]
     for block in filler:  # more pinned blocks than the map holds: it ends full, with nothing to evict
-        tier.put(block, pinned=True)
+        tier.put(block, Keep(pinned=True))
     tier.flush()
     held = tier.keys()
     assert 0 < len(held) < len(filler)
@@ -273,7 +273,7 @@ def test_a_block_evicted_while_writing_one_at_a_time_is_served_once_another_proc
         # Holds LMDB's write lock: the writer commits nothing until all three are queued, so two share a batch.
         with tier._env.begin(write=True):
             for block in late:
-                tier.put(block, pinned=True)
+                tier.put(block, Keep(pinned=True))
         tier.flush()
     finally:
         logger.removeHandler(hook)

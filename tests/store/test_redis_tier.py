@@ -14,7 +14,7 @@ import redis
 import torch
 
 from prefixgate.errors import ConfigError, StoreError
-from prefixgate.store import Block, BlockKey, chain_keys, redis_tier
+from prefixgate.store import Block, BlockKey, Keep, chain_keys, redis_tier
 from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier, masked_url
 from tests.services import PASSWORD, RedisServer
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
@@ -88,7 +88,7 @@ def test_blocks_one_tier_writes_are_read_whole_by_another_on_the_same_url(
     for index, (got, block) in enumerate(zip(found, blocks, strict=True)):
         assert torch.equal(got.block.kv, block.kv)
         assert (got.block.tokens, got.block.parent, got.block.created) == (block.tokens, block.parent, block.created)
-        assert (got.pinned, got.ttl) == (False, None)
+        assert got.keep == Keep()
         slot = out[:, :, :, index * size : (index + 1) * size]
         assert got.block.kv.data_ptr() == slot.data_ptr() and torch.equal(slot, block.kv)  # copied into place
     assert not out[:, :, :, 3 * size :].any()
@@ -176,15 +176,27 @@ def test_every_block_expires_by_the_tiers_ttl_or_its_own_when_sooner(
 ) -> None:
     tier = open_tier(ttl=3600.0)
     plain, short, over = make_chain(3, clock.now)
-    assert tier.put(plain) and tier.put(short, ttl=60.0)
+    assert tier.put(plain) and tier.put(short, Keep(ttl=60.0))
     tier.flush()
     assert 60_000 < raw_redis.pttl(redis_key(plain)) <= 3_600_000
     assert 0 < raw_redis.pttl(redis_key(short)) <= 60_000
     clock.advance(30.0)
-    assert not tier.put(over, ttl=20.0)  # its own lifetime ended 10 s ago
+    assert not tier.put(over, Keep(ttl=20.0))  # its own lifetime ended 10 s ago
     tier.flush()
     assert raw_redis.exists(redis_key(over)) == 0
     assert tier.counters.dropped_writes == 0  # not a drop: there was nothing left to keep
+
+
+def test_a_retained_block_lives_in_redis_at_least_until_its_retention_ends(
+    open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
+) -> None:
+    tier = open_tier(ttl=60.0)
+    (block,) = make_chain(1, clock.now)
+    assert tier.put(block, Keep(ttl=30.0, retain_until=clock.now + 7200.0))
+    tier.flush()
+    assert 3_600_000 < raw_redis.pttl(redis_key(block)) <= 7_200_000
+    (found,) = tier.get_chain([block.key], block.tokens)
+    assert found.keep == Keep(ttl=30.0, retain_until=clock.now + 7200.0)
 
 
 def test_clear_deletes_every_prefixgate_block_and_nothing_else(

@@ -10,7 +10,7 @@ import torch
 
 from prefixgate.errors import BlockMismatchError
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockKey, Tier, chain_keys
+from prefixgate.store import Block, BlockKey, Keep, Tier, chain_keys
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
@@ -129,7 +129,7 @@ def test_a_block_of_another_shape_or_dtype_is_refused(make_tier: TierFactory) ->
 def test_entries_describe_blocks_and_pins(make_tier: TierFactory) -> None:
     tier = make_tier(4)
     first, second = make_tier_blocks(2)
-    tier.put(first, pinned=True, ttl=60.0)
+    tier.put(first, Keep(pinned=True, ttl=60.0))
     tier.put(second)
     tier.get(second.key, second.tokens)
     held = tier.keys()
@@ -139,10 +139,25 @@ def test_entries_describe_blocks_and_pins(make_tier: TierFactory) -> None:
     assert entries[second.key].parent == first.key
     assert entries[second.key].hits == 1
     assert entries[first.key].tokens == LAYOUT.block_size
-    assert tier.attrs(first.key) == (True, 60.0)
+    assert tier.attrs(first.key) == Keep(pinned=True, ttl=60.0)
     assert tier.pin(first.key, False)
-    assert tier.attrs(first.key) == (False, 60.0)
+    assert tier.attrs(first.key) == Keep(pinned=False, ttl=60.0)
     assert not tier.pin(BlockKey(b"\x01" * 16), True)
+
+
+def test_a_retention_is_kept_extended_and_never_shortened(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    block, other = make_tier_blocks(2)
+    until = tier.clock() + 300.0
+    tier.put(block, Keep(retain_until=until))
+    assert tier.attrs(block.key) == Keep(retain_until=until)
+    assert tier.retain(block.key, until - 100.0) and tier.attrs(block.key) == Keep(retain_until=until)
+    assert tier.retain(block.key, until + 100.0) and tier.attrs(block.key) == Keep(retain_until=until + 100.0)
+    entry = tier.entry(block.key)
+    assert entry is not None and entry.retained_until == until + 100.0
+    assert not tier.retain(other.key, until)  # not held
+    tier.put(other)
+    assert tier.victim() == other.key  # the unretained block goes first, though it is newer
 
 
 def test_the_policy_names_the_least_recently_used_victim(make_tier: TierFactory) -> None:

@@ -229,6 +229,49 @@ def test_pinned_blocks_are_never_evicted_until_unpinned(open_store: StoreFactory
     assert tiers_of(store) == ("disk", "host", "disk", "disk", "host")
 
 
+def test_a_retained_block_is_evicted_after_unretained_ones_and_keeps_its_retention_below(
+    open_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = open_store(config(device=2 * BLOCK, host=2 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:1], retain=300.0)
+    clock.advance(1)
+    for block in blocks[1:4]:  # three newer blocks through a device tier of two: the unretained ones go down first
+        store.put([block])
+    assert tiers_of(store)[:4] == ("device", "host", "host", "device")
+    store.put(blocks[4:5], retain=600.0)  # now both device blocks are retained: the one whose retention ends first goes
+    store.put(blocks[5:6])
+    (retained,) = [entry for entry in store.entry(blocks[0].key) if entry.tier != "disk"]
+    assert (retained.tier, retained.retained_until) == ("host", 1_000_000.0 + 300.0)
+    assert tiers_of(store, PROMPT + [0]) == ("host", "disk", "disk", "host", "device", "device")
+
+
+def test_a_retention_outlives_the_tiers_ttl_and_a_hit_extends_it(open_store: StoreFactory, clock: FakeClock) -> None:
+    store = open_store(config(ttl=60.0))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:2], retain=100.0)
+    store.put(blocks[2:])
+    clock.advance(90)
+    assert store.retain([block.key for block in blocks[:3]], 50.0) == 2  # block 2 expired already
+    clock.advance(49)
+    assert store.fetch(NS, PROMPT).cached_tokens == 8  # kept 139 s and counting, past the tiers' 60 s ttl
+    assert all(entry.retained_until == 1_000_000.0 + 140.0 for entry in store.entries())
+    clock.advance(1)
+    assert store.fetch(NS, PROMPT).cached_tokens == 0
+
+
+def test_a_retention_written_with_a_block_holds_after_a_restart(
+    open_store: StoreFactory, clock: FakeClock, tmp_path: Path
+) -> None:
+    store = open_store(config(ttl=60.0), folder=tmp_path)
+    store.put(make_blocks(store, PROMPT[:8]), retain=3600.0)
+    store.close()
+    clock.advance(120)
+    reopened = open_store(config(ttl=60.0), folder=tmp_path)
+    assert reopened.fetch(NS, PROMPT).cached_tokens == 8
+    assert {entry.retained_until for entry in reopened.entries(tier="disk")} == {1_000_000.0 + 3600.0}
+
+
 def test_delete_with_extensions_removes_the_block_and_every_block_after_it(open_store: StoreFactory) -> None:
     store = open_store()
     blocks = make_blocks(store, PROMPT)

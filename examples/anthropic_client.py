@@ -2,7 +2,8 @@
 
 Start a server first (`prefixgate serve`), install the client (`.venv/bin/pip install anthropic`), then run
 `.venv/bin/python examples/anthropic_client.py`. Two questions share a long system prompt that ends in a cache
-breakpoint; the second one reads it from the cache, which the usage says in `cache_read_input_tokens`.
+breakpoint: the first computes it and writes it to the cache (`cache_creation_input_tokens`), the second reads it
+from there (`cache_read_input_tokens`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> None:
         print(f"Q: {question}")
         print(f"A: {text}")
         print(
-            f"   {usage.input_tokens} input tokens computed, {usage.cache_read_input_tokens} read from the cache, "
+            f"   input tokens: {usage.cache_creation_input_tokens} written to the cache, "
+            f"{usage.cache_read_input_tokens} read from it, {usage.input_tokens} other; "
             f"{usage.output_tokens} output tokens, {seconds:.2f} s"
         )
 

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
-from prefixgate.proxy.engine import PromptRequest, Usage
+from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
 from prefixgate.proxy.openai_api import MAX_STOP_CHARACTERS, MAX_STOP_STRINGS, Strict
 
 MAX_BREAKPOINTS = 4  # cache_control breakpoints per request, as Anthropic allows
@@ -26,13 +26,19 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}  # how long a cache_control breakpoint keeps its prefix, at least
 
 
 class CacheControl(Strict):
-    """A cache breakpoint: the prompt up to the end of the block that carries it is kept for `ttl`."""
+    """A cache breakpoint: the prompt up to the end of the block that carries it is kept at least `ttl`."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def seconds(self) -> float:
+        """Return the ttl in seconds."""
+        return TTL_SECONDS[self.ttl]
 
 
 class TextBlock(Strict):
@@ -81,7 +87,7 @@ class MessagesRequest(Strict):
     """A POST /v1/messages body."""
 
     model: str
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: fill the prompt cache (pre-warm) and answer nothing
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)  # sampling fields older clients send, and open models take
@@ -152,7 +158,7 @@ class MessagesRequest(Strict):
                 for tool in self.tools
             ]
         params = SamplingParams(
-            max_tokens=self.max_tokens,
+            max_tokens=max(1, self.max_tokens),  # a pre-warm (0) generates nothing: the engine warms instead
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -167,7 +173,28 @@ class MessagesRequest(Strict):
             cache_salt=self.cache_salt,
             layout=self.layout,
             hint=hint,
+            breakpoints=self._placed_breakpoints(tools is not None),
         )
+
+    def _placed_breakpoints(self, with_tools: bool) -> tuple[Breakpoint, ...]:
+        """Return the cache_control breakpoints, placed in the engine's request (the system prompt is message 0)."""
+        points: list[Breakpoint] = []
+        for index, tool in enumerate(self.tools or ()):
+            if tool.cache_control is not None and with_tools:
+                points.append(Breakpoint(tool.cache_control.seconds, tool=index))
+        first = 0
+        if self.system:
+            first = 1
+            for part, block in enumerate(self.system if isinstance(self.system, list) else ()):
+                if block.cache_control is not None:
+                    points.append(Breakpoint(block.cache_control.seconds, message=0, part=part))
+        for index, message in enumerate(self.messages):
+            for part, block in enumerate(message.content if isinstance(message.content, list) else ()):
+                if block.cache_control is not None:
+                    points.append(Breakpoint(block.cache_control.seconds, message=first + index, part=part))
+        if self.cache_control is not None:  # on the last block that can take one: the whole prompt
+            points.append(Breakpoint(self.cache_control.seconds))
+        return tuple(points)
 
 
 class CountTokensRequest(MessagesRequest):
@@ -194,12 +221,15 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    """Return Anthropic's usage: prompt tokens served from the cache apart from those computed now."""
+    """Return Anthropic's usage: prompt tokens read from the cache, computed now and stored at a breakpoint (by ttl),
+    and the rest."""
+    written = {ttl: usage.cache_writes.get(seconds, 0) for ttl, seconds in TTL_SECONDS.items()}
+    created = sum(written.values())
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - created,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "cache_creation": {"ephemeral_5m_input_tokens": written["5m"], "ephemeral_1h_input_tokens": written["1h"]},
         "output_tokens": usage.completion_tokens,
     }
 
@@ -218,7 +248,7 @@ def message(
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [] if text is None else [{"type": "text", "text": text}],
+        "content": [{"type": "text", "text": text}] if text else [],
         "stop_reason": None if text is None else stop_reason(finish_reason, stop_sequence),
         "stop_sequence": stop_sequence,
         "usage": usage_body(usage),

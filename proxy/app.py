@@ -30,7 +30,7 @@ from prefixgate.errors import (
 )
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
-from prefixgate.proxy.engine import Engine, Generation, PromptRequest
+from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
@@ -209,6 +209,8 @@ async def _start(request: web.Request, model: str, prompt: PromptRequest, *, cha
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages: Anthropic's Messages API on the same engine."""
     body = api.parse_json(await request.read(), anthropic.MessagesRequest)
+    if body.max_tokens == 0:
+        return await _prewarm(request, body)
     generation = await _start(request, body.model, body.to_prompt_request(request[TENANT]), chat=True)
     message_id = anthropic.message_id()
     if body.stream:
@@ -220,6 +222,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stop = chunks[-1].stop_sequence if chunks else None
     payload = anthropic.message(message_id, body.model, text, generation.finish_reason, stop, generation.usage())
     return web.json_response(payload, headers=_headers(generation))
+
+
+async def _prewarm(request: web.Request, body: anthropic.MessagesRequest) -> web.Response:
+    """Answer `max_tokens: 0`: compute and store the prompt (its breakpoints kept as asked), generate nothing."""
+    if body.stream:
+        raise RequestError("max_tokens 0 fills the cache and answers nothing: send it without stream", param="stream")
+    engine = _engine_for(request, body.model)
+    if isinstance(engine, UpstreamEngine):
+        raise RequestError(
+            "max_tokens 0 fills a cache of this server's own, and this one forwards to upstreams", param="max_tokens"
+        )
+    warmed = await engine.warm(body.to_prompt_request(request[TENANT]))
+    usage = Usage(warmed.prompt_tokens, 0, warmed.read_tokens, {}, warmed.cache_writes)
+    return web.json_response(anthropic.message(anthropic.message_id(), body.model, "", "length", None, usage))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

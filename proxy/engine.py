@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,37 @@ _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Keep a prefix of the prompt at least `seconds`: the whole prompt, or the part up to the end of one message (or
+    one content part of it), or of one tool's definition."""
+
+    seconds: float
+    message: int | None = None  # an index into `PromptRequest.messages`
+    part: int | None = None  # an index into that message's content parts; None: the whole message
+    tool: int | None = None  # an index into `PromptRequest.tools`
+
+    def cut(self, request: PromptRequest) -> PromptRequest | None:
+        """Return the request with everything after the breakpoint left out; None when it keeps the whole prompt."""
+        if self.tool is not None:
+            return replace(request, tools=(request.tools or [])[: self.tool + 1], messages=[])
+        if self.message is None or request.messages is None:
+            return None
+        messages = request.messages[: self.message + 1]
+        content = messages[-1].get("content")
+        if self.part is not None and isinstance(content, list):
+            messages[-1] = messages[-1] | {"content": content[: self.part + 1]}
+        return replace(request, messages=messages)
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """The first `tokens` of a prompt, to be kept at least `seconds`."""
+
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class PromptRequest:
     """One request as the engine takes it, from any face: chat `messages` or a completion `prompt`."""
 
@@ -50,6 +81,7 @@ class PromptRequest:
     cache_salt: str | None = None  # splits the tenant's cache further
     layout: bool = True
     hint: str | None = None  # the client's affinity hint (prompt_cache_key or user): upstreams are routed by it
+    breakpoints: tuple[Breakpoint, ...] = ()  # prefixes the client asks to keep (cache_control, 24h retention)
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -67,6 +99,21 @@ class PreparedPrompt:
     moved: tuple[MovedValue, ...]  # what layout moved out of the static prefix
     messages: list[dict[str, Any]] | None  # as rendered: canonical and laid out
     tenant: str
+    retained: tuple[Retained, ...] = ()  # the request's breakpoints, as token counts of this prompt
+
+    def retention(self, block: int, block_size: int) -> float | None:
+        """Return the seconds block number `block` is to be kept, the longest of the breakpoints covering it."""
+        end = (block + 1) * block_size
+        return max((span.seconds for span in self.retained if span.tokens >= end), default=None)
+
+    def cache_writes(self, cached_tokens: int, block_size: int) -> dict[float, int]:
+        """Return the prompt tokens computed now and stored at a breakpoint, by the seconds they are kept."""
+        writes: dict[float, int] = {}
+        for block in range(cached_tokens // block_size, len(self.token_ids) // block_size):
+            seconds = self.retention(block, block_size)
+            if seconds is not None:
+                writes[seconds] = writes.get(seconds, 0) + block_size
+        return writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +124,18 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
+    # Prompt tokens computed now and stored at a breakpoint, by the seconds they are kept (the rest of the computed
+    # full blocks are stored too, kept by the tiers' policies alone).
+    cache_writes: dict[float, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A request's prompt as the model reads it."""
+
+    token_ids: list[int]
+    moved: tuple[MovedValue, ...]  # what layout moved out of the static prefix
+    messages: list[dict[str, Any]] | None  # canonical and laid out
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +156,8 @@ class WarmResult:
     prompt_tokens: int
     computed_tokens: int  # prompt tokens the model computed now; the rest of the full blocks were cached already
     cached_tokens: int  # prompt tokens a request with this prompt would now be served from the cache
+    read_tokens: int = 0  # prompt tokens that were cached before
+    cache_writes: dict[float, int] = field(default_factory=dict)  # as in `Usage`
 
 
 class Engine:
@@ -210,7 +271,7 @@ class Engine:
             computed.append(Block(prepared.keys[index], tuple(tokens), kv, parent=parent, tenant=prepared.tenant))
 
         try:
-            hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids)
+            hit = await asyncio.to_thread(self._fetch, prepared, None)
         except BaseException:
             reservation.release()
             raise
@@ -219,9 +280,10 @@ class Engine:
         )
         # In a worker thread: the copies below are tensor work, which must neither hold the event loop nor give its
         # thread an OpenMP pool (see prefixgate.threads).
-        await asyncio.to_thread(self._keep, hit.blocks, computed, pinned, ttl)
+        await asyncio.to_thread(self._keep, prepared, hit.blocks, computed, pinned, ttl)
         match = await asyncio.to_thread(self.store.lookup, prepared.namespace, prepared.token_ids)
-        return WarmResult(len(prepared.token_ids), computed_tokens, match.cached_tokens)
+        writes = prepared.cache_writes(hit.cached_tokens, hit.block_size)
+        return WarmResult(len(prepared.token_ids), computed_tokens, match.cached_tokens, hit.cached_tokens, writes)
 
     async def explain(self, request: PromptRequest) -> Explanation:
         """Dry-run a request: how it is laid out, what of it is cached where, and why the rest is not."""
@@ -247,18 +309,8 @@ class Engine:
         backend = self.backend
         # Text far beyond the context is refused by counting characters, before the rules or the tokenizer read it.
         check_prompt_size(request.messages, request.prompt, backend.context_length, backend.max_prompt_chars)
-        moved: tuple[MovedValue, ...] = ()
-        messages = None
-        if request.messages is not None:
-            messages = canonicalize_messages(request.messages, self._rules)
-            if request.layout and self._layout:
-                laid_out = lay_out(messages, self._patterns)
-                messages, moved = laid_out.messages, laid_out.moved
-            tools = canonicalize_tools(request.tools, self._rules)
-            token_ids = backend.render_chat(messages, tools=tools)
-        else:
-            assert request.prompt is not None
-            token_ids = backend.render_text(canonicalize_text(request.prompt, self._rules))
+        rendered = self._render(request)
+        token_ids = rendered.token_ids
         if not token_ids:
             raise RequestError("the prompt renders to no tokens; send some text", param="prompt")
         # Before the keys and the store: a prompt that cannot run is refused for every face, warm included.
@@ -271,12 +323,52 @@ class Engine:
             namespace=namespace,
             keys=keys,
             reusable=(len(token_ids) - 1) // block_size,
-            moved=moved,
-            messages=messages,
+            moved=rendered.moved,
+            messages=rendered.messages,
             tenant=request.tenant,
+            retained=tuple(self._resolve(request, point, token_ids) for point in request.breakpoints),
         )
 
-    def _keep(self, cached: Sequence[Block], computed: list[Block], pinned: bool, ttl: float | None) -> None:
+    def _render(self, request: PromptRequest) -> Rendered:
+        """Canonicalize, lay out and render a request to token ids."""
+        moved: tuple[MovedValue, ...] = ()
+        messages = None
+        if request.messages is not None:
+            messages = canonicalize_messages(request.messages, self._rules)
+            if request.layout and self._layout:
+                laid_out = lay_out(messages, self._patterns)
+                messages, moved = laid_out.messages, laid_out.moved
+            tools = canonicalize_tools(request.tools, self._rules)
+            token_ids = self.backend.render_chat(messages, tools=tools)
+        else:
+            assert request.prompt is not None
+            token_ids = self.backend.render_text(canonicalize_text(request.prompt, self._rules))
+        return Rendered(token_ids, moved, messages)
+
+    def _resolve(self, request: PromptRequest, point: Breakpoint, token_ids: Sequence[int]) -> Retained:
+        """Return how many of the prompt's tokens a breakpoint keeps.
+
+        The request cut after the breakpoint is rendered the same way; where its tokens depart from the whole
+        prompt's is where the breakpoint lies, whatever the chat template puts around messages and tools (a few of
+        the template's tokens after the breakpoint may count with it).
+        """
+        cut = point.cut(request)
+        if cut is None:
+            return Retained(len(token_ids), point.seconds)
+        try:
+            cut_ids = self._render(cut).token_ids
+        except RequestError:  # the template takes no such prompt (tools without messages): it keeps nothing
+            return Retained(0, point.seconds)
+        common = 0
+        for mine, theirs in zip(token_ids, cut_ids, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        return Retained(common, point.seconds)
+
+    def _keep(
+        self, prepared: PreparedPrompt, cached: Sequence[Block], computed: list[Block], pinned: bool, ttl: float | None
+    ) -> None:
         blocks = computed
         if pinned or ttl is not None:
             # Blocks cached already take the new attributes too; a ttl counts from now, not from their creation.
@@ -287,6 +379,7 @@ class Engine:
             ] + computed
         if blocks:
             self.store.put(blocks, pinned=pinned, ttl=ttl)
+        self._retain(prepared, len(cached) + len(computed))
 
     def _explain(self, prepared: PreparedPrompt, original: list[dict[str, Any]] | None, layout: bool) -> Explanation:
         canonical = canonicalize_messages(original, self._rules) if original is not None else None
@@ -302,7 +395,7 @@ class Engine:
         keys = prepared.keys[: prepared.reusable]
         while True:
             if self.backend.prefix_reuse:
-                hit = await asyncio.to_thread(self.store.fetch, prepared.namespace, prepared.token_ids, buffer)
+                hit = await asyncio.to_thread(self._fetch, prepared, buffer)
             else:
                 hit = PrefixHit(keys, (), self.backend.geometry.block_size)
             first_missing = len(hit.blocks)
@@ -317,6 +410,22 @@ class Engine:
         for key in owned:
             self._inflight[key] = loop.create_future()
         return hit, owned
+
+    def _fetch(self, prepared: PreparedPrompt, buffer: torch.Tensor | None) -> PrefixHit:
+        """Fetch the cached prefix into `buffer`; extend the retention of the blocks the request's breakpoints cover."""
+        hit = self.store.fetch(prepared.namespace, prepared.token_ids, buffer)
+        self._retain(prepared, len(hit.blocks))
+        return hit
+
+    def _retain(self, prepared: PreparedPrompt, blocks: int) -> None:
+        """Extend the retention of the prompt's first `blocks` blocks (those held), as its breakpoints ask."""
+        by_seconds: dict[float, list[BlockKey]] = {}
+        for index in range(blocks):
+            seconds = prepared.retention(index, self.backend.geometry.block_size)
+            if seconds is not None:
+                by_seconds.setdefault(seconds, []).append(prepared.keys[index])
+        for seconds, keys in by_seconds.items():
+            self.store.retain(keys, seconds)
 
     def _fail(self, owned: list[BlockKey], error: BaseException) -> None:
         self._release(owned)
@@ -343,13 +452,13 @@ class Engine:
             key = keys[index]
             parent = keys[index - 1] if index else None
             block = Block(key, tuple(tokens), kv, parent=parent, tenant=prepared.tenant)
-            self._filer.submit(self._file, block, loop)
+            self._filer.submit(self._file, block, loop, prepared.retention(index, block_size))
 
         return on_block
 
-    def _file(self, block: Block, loop: asyncio.AbstractEventLoop) -> None:
+    def _file(self, block: Block, loop: asyncio.AbstractEventLoop, retain: float | None) -> None:
         try:
-            self.store.put([block])
+            self.store.put([block], retain=retain)
         except Exception:  # the request goes on; whoever waits for this block computes it itself
             _log.exception("could not store block %s; it will be computed again", block.key)
             self.stats.count_store_error()
@@ -404,7 +513,10 @@ class Generation:
 
     def usage(self) -> Usage:
         """Return token counts so far."""
-        return Usage(self.prompt_tokens, self.completion_tokens, self.hit.cached_tokens, self.hit.tokens_by_tier)
+        writes = self.prepared.cache_writes(self.hit.cached_tokens, self.hit.block_size)
+        return Usage(
+            self.prompt_tokens, self.completion_tokens, self.hit.cached_tokens, self.hit.tokens_by_tier, writes
+        )
 
     async def start(self) -> None:
         """Compute up to the first token, so errors come before any response is sent."""
@@ -418,6 +530,7 @@ class Generation:
             self.time_to_first_token,
             tenant=self.prepared.tenant,
             saved_seconds=self.saved_seconds or 0.0,
+            cache_write_tokens=sum(self.usage().cache_writes.values()),
         )
 
     def __aiter__(self) -> Generation:

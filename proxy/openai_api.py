@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
-from prefixgate.proxy.engine import PromptRequest, Usage
+from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
@@ -107,6 +107,8 @@ class _Generation(Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # it does not change the answer; before upstreams, a routing hint
     prompt_cache_key: str | None = None  # prefixes are found by content; before upstreams, a routing hint
+    # "24h" keeps the prompt's blocks at least a day; "in_memory" (or none) leaves them to the tiers' policies.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # splits this tenant's cache further
     layout: bool = True  # false keeps per-request content where the client put it
 
@@ -142,6 +144,10 @@ class _Generation(Strict):
             stop=stop,
             n=self.n,
         )
+
+    def breakpoints(self) -> tuple[Breakpoint, ...]:
+        """Return the retention the client asks for: "24h" keeps the whole prompt at least a day."""
+        return (Breakpoint(24 * 3600.0),) if self.prompt_cache_retention == "24h" else ()
 
 
 class ChatCompletionRequest(_Generation):
@@ -184,6 +190,7 @@ class ChatCompletionRequest(_Generation):
             cache_salt=self.cache_salt,
             layout=self.layout,
             hint=self.prompt_cache_key or self.user,
+            breakpoints=self.breakpoints(),
         )
 
 
@@ -218,6 +225,7 @@ class CompletionRequest(_Generation):
             cache_salt=self.cache_salt,
             layout=self.layout,
             hint=self.prompt_cache_key or self.user,
+            breakpoints=self.breakpoints(),
         )
 
 

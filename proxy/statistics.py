@@ -53,6 +53,7 @@ class EngineStats:
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
     saved_seconds: float = 0.0  # prefill time the cache spared, estimated at the model's measured rate
+    cache_write_tokens: int = 0  # prompt tokens computed and stored at a client's breakpoint
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -64,6 +65,7 @@ class EngineStats:
         *,
         tenant: str = "",
         saved_seconds: float = 0.0,
+        cache_write_tokens: int = 0,
     ) -> None:
         """Count a request that produced its first token, for the totals and for its tenant."""
         with self._lock:
@@ -76,6 +78,7 @@ class EngineStats:
                 counts.saved_seconds + saved_seconds,
             )
             self.saved_seconds += saved_seconds
+            self.cache_write_tokens += cache_write_tokens
             self.prompt_tokens += prompt_tokens
             for tier, tokens in cached_by_tier.items():
                 self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + tokens
@@ -116,6 +119,7 @@ class EngineStats:
                 ttft_buckets=tuple(self.ttft_buckets),
                 ttft_sum=self.ttft_sum,
                 saved_seconds=self.saved_seconds,
+                cache_write_tokens=self.cache_write_tokens,
                 tenants=dict(self.tenants),
             )
 
@@ -134,6 +138,7 @@ class EngineStatsSnapshot:
     ttft_buckets: tuple[int, ...]  # requests up to each TTFT_BUCKETS bound from the one before, then past the last
     ttft_sum: float
     saved_seconds: float
+    cache_write_tokens: int
     tenants: dict[str, TenantStats]
 
     @property
@@ -147,13 +152,17 @@ def cost_saved(prices: ModelPrices, cached_tokens: int) -> float:
     return cached_tokens * (prices.input - prices.cached_input) / 1e6
 
 
-def cost(prices: ModelPrices, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
-    """Return what requests cost at these prices: prompt tokens computed, those from the cache, and the answers.
-
-    Cache writes (tokens stored at a breakpoint) have a price too, but no token is counted as one yet.
-    """
-    computed = prompt_tokens - cached_tokens
-    return (computed * prices.input + cached_tokens * prices.cached_input + completion_tokens * prices.output) / 1e6
+def cost(prices: ModelPrices, stats: EngineStatsSnapshot) -> float:
+    """Return what requests cost at these prices: prompt tokens computed, those from the cache, those computed and
+    stored at a breakpoint (cache writes), and the answers."""
+    cached, written = stats.cached_total, stats.cache_write_tokens
+    computed = stats.prompt_tokens - cached - written
+    return (
+        computed * prices.input
+        + cached * prices.cached_input
+        + written * prices.cache_write
+        + stats.completion_tokens * prices.output
+    ) / 1e6
 
 
 class EngineCollector(Collector):

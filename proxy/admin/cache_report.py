@@ -57,7 +57,8 @@ def cache_report(
         "requests": stats.requests,
         **_tokens(stats.prompt_tokens, stats.cached_total),
         "prefill_seconds_saved": round(stats.saved_seconds, 3),
-        **money(prices, stats.prompt_tokens, stats.cached_total, stats.completion_tokens),
+        "cache_write_tokens": stats.cache_write_tokens,
+        **money(prices, stats),
         **{event: sum(getattr(tier, event) for tier in tiers) for event in _EVENTS},
     }
     return {
@@ -82,6 +83,7 @@ def entry_body(entry: EntryInfo) -> dict[str, Any]:
         "expires_at": entry.expires_at,
         "hits": entry.hits,
         "pinned": entry.pinned,
+        "retained_until": entry.retained_until,
         "tenant": entry.tenant,
         "parent": entry.parent.hex() if entry.parent is not None else None,
     }
@@ -188,15 +190,13 @@ def _tenants(
     return report
 
 
-def money(
-    prices: ModelPrices | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int
-) -> dict[str, float | None]:
+def money(prices: ModelPrices | None, stats: EngineStatsSnapshot) -> dict[str, float | None]:
     """Return what the requests cost and what the cache saved at the model's prices; None for both without prices."""
     if prices is None:
         return {"cost": None, "cost_saved": None}
     return {
-        "cost": round(cost(prices, prompt_tokens, cached_tokens, completion_tokens), 6),
-        "cost_saved": round(cost_saved(prices, cached_tokens), 6),
+        "cost": round(cost(prices, stats), 6),
+        "cost_saved": round(cost_saved(prices, stats.cached_total), 6),
     }
 
 

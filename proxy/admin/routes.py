@@ -289,7 +289,7 @@ def upstream_report(engine: UpstreamEngine, prices: ModelPrices | None) -> dict[
         "requests": stats.requests,
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_total,
-        **money(prices, stats.prompt_tokens, stats.cached_total, stats.completion_tokens),
+        **money(prices, stats),
     }
     return {"object": "cache", "model": engine.model_id, "totals": totals, "upstreams": upstreams}
 

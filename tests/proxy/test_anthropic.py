@@ -4,11 +4,13 @@ breakpoint validation, errors in Anthropic's shape, and API keys sent as `x-api-
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anthropic
 import pytest
 from aiohttp.test_utils import TestClient
+from transformers import PreTrainedTokenizerFast
 
 from tests.proxy.conftest import MODEL, SYSTEM, Serve
 
@@ -125,3 +127,56 @@ async def test_errors_come_in_anthropics_shape_and_keys_work_as_x_api_key(serve:
     await ask(server, api_key="sk-a")
     assert (await ask(server, api_key="sk-b")).usage.cache_read_input_tokens == 0  # tenants share no blocks
     assert (await ask(server, api_key="sk-a")).usage.cache_read_input_tokens > 0
+
+
+async def test_breakpoints_keep_their_prefixes_and_usage_says_what_was_written_and_read(
+    serve: Serve, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    server = await serve(admin_key="sk-admin", prices={MODEL: "1.5,0.25,2,6"})
+    hour = {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    minutes = {"type": "text", "text": "Be brief. " * 8, "cache_control": {"type": "ephemeral"}}
+    asked = time.time()
+    first = await ask(server, system=[hour, minutes])
+    counted = await client_of(server).messages.count_tokens(model=MODEL, system=[hour, minutes], messages=QUESTION)
+    written = first.usage.cache_creation
+    assert first.usage.cache_read_input_tokens == 0
+    created = first.usage.cache_creation_input_tokens
+    assert created == written.ephemeral_1h_input_tokens + written.ephemeral_5m_input_tokens
+    assert first.usage.input_tokens + first.usage.cache_creation_input_tokens == counted.input_tokens
+    # The 1h breakpoint ends with the first system block: full 8-token blocks up to there (BPE may merge the last
+    # few characters with what follows them differently, so its end is known to within a block).
+    through_system = len(tokenizer("<|im_start|>system\n" + SYSTEM)["input_ids"])
+    assert abs(written.ephemeral_1h_input_tokens - through_system // 8 * 8) <= 8
+    assert written.ephemeral_5m_input_tokens >= 8  # the second system block, in blocks of its own
+
+    again = await ask(server, system=[hour, minutes])
+    assert again.usage.cache_creation_input_tokens == 0
+    assert again.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
+
+    admin = {"Authorization": "Bearer sk-admin"}
+    totals = (await (await server.get("/admin/cache", headers=admin)).json())["totals"]
+    assert totals["cache_write_tokens"] == created
+    computed = first.usage.input_tokens + again.usage.input_tokens
+    cached, answers = again.usage.cache_read_input_tokens, first.usage.output_tokens + again.usage.output_tokens
+    assert totals["cost"] == pytest.approx((computed * 1.5 + cached * 0.25 + created * 2 + answers * 6) / 1e6)
+    listing = await server.get("/admin/cache/entries?limit=1000", headers=admin)
+    kept = [entry["retained_until"] for entry in (await listing.json())["data"] if entry["tier"] == "host"]
+    hours = [until for until in kept if until is not None and until > asked + 3000]
+    minutes_kept = [until for until in kept if until is not None and asked + 290 < until <= time.time() + 300]
+    assert len(hours) * 8 == written.ephemeral_1h_input_tokens
+    assert len(minutes_kept) * 8 == written.ephemeral_5m_input_tokens
+    assert kept.count(None) == len(kept) - len(hours) - len(minutes_kept) > 0  # the question's blocks: policy alone
+
+
+async def test_max_tokens_zero_fills_the_cache_and_answers_nothing(serve: Serve) -> None:
+    server = await serve()
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    warmed = await ask(server, system=system, max_tokens=0)
+    assert warmed.content == [] and warmed.stop_reason == "max_tokens" and warmed.usage.output_tokens == 0
+    assert warmed.usage.cache_read_input_tokens == 0 and warmed.usage.cache_creation_input_tokens > 0
+    asked = await ask(server, system=system)
+    assert asked.content[0].text
+    assert asked.usage.cache_read_input_tokens >= warmed.usage.cache_creation_input_tokens
+    assert asked.usage.cache_creation_input_tokens == 0
+    with pytest.raises(anthropic.BadRequestError, match="without stream"):
+        await ask(server, system=system, max_tokens=0, stream=True)

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import KVReservation, SamplingParams, StepRecord
 from prefixgate.proxy import engine as engine_module
-from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import Block, TieredStore
 from tests.proxy.conftest import on_event_loop, tiny_engine
@@ -140,7 +140,7 @@ async def test_stats_count_requests_tokens_and_cached_tokens_per_tier(
 class FullDisk(TieredStore):
     """A store whose every put fails, as one on a full or failing device would."""
 
-    def put(self, blocks: Sequence[Block], *, pinned: bool = False, ttl: float | None = None) -> int:
+    def put(self, blocks: Sequence[Block], **keep: Any) -> int:
         raise OSError(28, "No space left on device")
 
 
@@ -190,3 +190,37 @@ async def test_every_step_of_preparing_a_prompt_runs_off_the_event_loop(
         "render_text": [False],
         "explain_prompt": [False],
     }
+
+
+def test_each_block_is_kept_by_the_longest_breakpoint_covering_it_and_writes_count_full_blocks_once() -> None:
+    prepared = PreparedPrompt(
+        token_ids=tuple(range(143)),
+        namespace=None,  # type: ignore[arg-type]  # not read here
+        keys=(),
+        reusable=17,
+        moved=(),
+        messages=None,
+        tenant="",
+        retained=(Retained(83, 3600.0), Retained(120, 300.0), Retained(5, 86400.0)),
+    )
+    assert [prepared.retention(block, 8) for block in (0, 9, 10, 14, 15)] == [3600.0, 3600.0, 300.0, 300.0, None]
+    # Blocks 2..9 (after the 16 cached tokens) under the hour, 10..14 under five minutes; token 83 is in block 10.
+    assert prepared.cache_writes(16, 8) == {3600.0: 64, 300.0: 40}
+    assert prepared.cache_writes(128, 8) == {}
+
+
+def test_a_breakpoint_cuts_the_request_after_its_message_part_or_tool() -> None:
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    request = PromptRequest(
+        params=SamplingParams(),
+        messages=[{"role": "system", "content": parts}, {"role": "user", "content": "hi"}],
+        tools=[{"name": "a"}, {"name": "b"}],
+    )
+    cut = Breakpoint(300.0, message=0, part=0).cut(request)
+    assert cut is not None and cut.messages == [{"role": "system", "content": parts[:1]}] and cut.tools == request.tools
+    cut = Breakpoint(300.0, message=1).cut(request)
+    assert cut is not None and cut.messages == request.messages
+    cut = Breakpoint(300.0, tool=0).cut(request)
+    assert cut is not None and cut.tools == [{"name": "a"}] and cut.messages == []
+    assert Breakpoint(300.0).cut(request) is None  # the whole prompt
+    assert request.messages is not None and request.messages[0]["content"] == parts  # the request is left alone

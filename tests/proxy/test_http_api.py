@@ -60,6 +60,27 @@ async def test_a_repeated_prompt_reports_cached_tokens_and_the_same_greedy_answe
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
 
 
+async def test_a_24h_retention_keeps_the_prompts_blocks_a_day_and_in_memory_leaves_them_to_the_policy(
+    serve: Serve,
+) -> None:
+    client = await serve()
+    store = engine_of(client).store
+    asked = time.time()
+    kept = await client.post("/v1/chat/completions", json=chat(prompt_cache_retention="24h"))
+    await engine_of(client).wait_for_blocks()
+    prompt_tokens = (await kept.json())["usage"]["prompt_tokens"]
+    retained = [entry.retained_until for entry in store.entries(tier="host")]
+    day = [until for until in retained if until is not None and asked + 86400 <= until <= time.time() + 86400]
+    assert len(day) == prompt_tokens // 8  # every full block of the prompt; none of the answer's
+    assert len(retained) > len(day)
+
+    store.flush()
+    plain = await client.post("/v1/chat/completions", json=chat(prompt_cache_retention="in_memory"))
+    assert plain.status == 200
+    await engine_of(client).wait_for_blocks()
+    assert {entry.retained_until for entry in store.entries(tier="host")} == {None}
+
+
 async def test_chat_streaming_sends_role_deltas_finish_usage_then_done(serve: Serve) -> None:
     client = await serve()
     response = await client.post(
@@ -144,6 +165,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "tools",
         "does not render tools",
     ),
+    ("unknown retention", chat(prompt_cache_retention="1w"), 400, "prompt_cache_retention", "'in_memory' or '24h'"),
     ("seventeen stop strings", chat(stop=[f"stop {i}" for i in range(17)]), 400, "stop", "at most 16 stop strings"),
     ("a stop string of 257 characters", chat(stop=["x" * 257]), 400, "stop", "at most 256 characters"),
     ("prompt too long", chat("word " * 1200), 400, "messages", "context"),

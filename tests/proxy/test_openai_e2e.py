@@ -137,9 +137,14 @@ def test_the_anthropic_client_example_reads_its_breakpoint_from_the_cache(start_
         [sys.executable, str(example), "--base-url", server.url], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    usage = [line.split(", ") for line in result.stdout.splitlines() if "read from the cache" in line]
-    read = [int(parts[1].split()[0]) for parts in usage]
-    computed = [int(parts[0].split()[0]) for parts in usage]
-    assert read[0] == 0 and read[1] >= 1000 and computed[1] < 100
+    # "   input tokens: W written to the cache, R read from it, O other; ..."
+    usage = [
+        [int(part.split()[0]) for part in line.split(": ")[1].split("; ")[0].split(", ")]
+        for line in result.stdout.splitlines()
+        if "written to the cache" in line
+    ]
+    (written, read, _), (written_again, read_again, other_again) = usage
+    assert written >= 1000 and read == 0  # the system prompt, up to its breakpoint, computed and stored
+    assert written_again == 0 and read_again == written and other_again < 100
     answers = [line.removeprefix("A: ") for line in result.stdout.splitlines() if line.startswith("A: ")]
     assert len(answers) == 2 and all(answer.strip() for answer in answers)

@@ -134,6 +134,8 @@ async def test_anthropic_clients_are_served_from_the_upstreams_too(front: Front,
     assert first.usage.cache_read_input_tokens == 0 and again.usage.cache_read_input_tokens > 0  # the upstream's
     with pytest.raises(anthropic.BadRequestError, match="forwards to upstreams"):
         await messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi?"}])
+    with pytest.raises(anthropic.BadRequestError, match="forwards to upstreams"):
+        await messages.create(messages=[{"role": "user", "content": "Hi?"}], **fields | {"max_tokens": 0})
 
 
 async def test_one_prefix_sticks_to_one_upstream_and_distinct_ones_spread(front: Front, upstreams: list[str]) -> None:

@@ -151,7 +151,8 @@ async def test_entries_are_paged_and_filtered_by_tier_and_tenant(serve: Serve) -
     assert pages == everything["data"]
     entry = pages[0]
     assert set(entry) == {
-        "key", "tier", "tokens", "bytes", "created", "last_access", "expires_at", "hits", "pinned", "tenant", "parent"
+        "key", "tier", "tokens", "bytes", "created", "last_access", "expires_at", "hits", "pinned", "retained_until",
+        "tenant", "parent",
     }  # fmt: skip
     host = await admin(client, "GET", "/admin/cache/entries?tier=host&limit=1000")
     assert host["data"] and all(item["tier"] == "host" for item in host["data"])

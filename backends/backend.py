@@ -22,8 +22,10 @@ BlockCallback = Callable[[int, Sequence[int], torch.Tensor], None]
 
 `kv` is a standalone tensor of `KVGeometry.block_shape` on the model's device (never a view into the live cache, and
 an ordinary tensor, not an inference tensor); block `i` covers tokens `[i * block_size, (i + 1) * block_size)` of
-prompt plus generated tokens. It should return quickly (it runs between model steps); an exception it raises fails
-the request.
+prompt plus generated tokens. When a generation ends, its last block, still incomplete, comes too (a tail: fewer
+token ids than `block_size`, its K and V in the leading positions of `kv`, zeros after), so a later prompt that
+continues the conversation can reuse it to the token. It should return quickly (it runs between model steps); an
+exception it raises fails the request.
 """
 
 # Bounds of `torch.Generator.manual_seed`: it takes any 64-bit pattern, signed or unsigned.
@@ -181,6 +183,7 @@ class Backend(Protocol):
     ) -> AsyncIterator[TokenChunk]:
         """Stream the continuation of `token_ids`, starting from the KV of `cached_blocks` (block 0 first).
 
+        Every cached block is whole but the last, which may hold only its leading positions (a partial block).
         Without a `reservation` the stream reserves its own on its first iteration, waiting as `reserve` does.
         """
         ...

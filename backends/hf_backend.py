@@ -281,7 +281,7 @@ class HFBackend:
             if reservation is not None:
                 reservation.release()
             raise
-        if plan.prefill_end <= len(plan.cached_blocks) * plan.block_size:
+        if plan.prefill_end <= sum(block.shape[3] for block in plan.cached_blocks):
             if reservation is not None:
                 reservation.release()
             return 0
@@ -369,19 +369,20 @@ class HFBackend:
             raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
         check_blocks(cached_blocks, self.geometry)
         size = self.geometry.block_size
-        if len(cached_blocks) * size > len(prompt):
+        cached = sum(block.shape[3] for block in cached_blocks)
+        if cached > len(prompt):
             raise RuntimeError(
-                f"{len(cached_blocks)} cached blocks cover {len(cached_blocks) * size} tokens, more than the "
-                f"prompt's {len(prompt)}; pass only blocks of this prompt's prefix"
+                f"{len(cached_blocks)} cached blocks cover {cached} tokens, more than the prompt's {len(prompt)}; "
+                "pass only blocks of this prompt's prefix"
             )
-        # Generation needs the last prompt token's logits, so at least that token is computed: when blocks cover
-        # the whole prompt the last one is dropped and recomputed (blocks are whole, tokens cannot be split off).
-        usable = len(prompt) // size if prefill_only else (len(prompt) - 1) // size
+        # Generation needs the last prompt token's logits, so at least that token is computed: a cache covering the
+        # whole prompt is cut short by one token. A prefill stops at the last whole block, and loads no more.
+        usable = len(prompt) // size * size if prefill_only else len(prompt) - 1
         return SequencePlan(
             prompt=prompt,
-            cached_blocks=list(cached_blocks[:usable]),
-            known_blocks=len(cached_blocks),
-            prefill_end=usable * size if prefill_only else len(prompt),
+            cached_blocks=_leading(cached_blocks, min(cached, usable)),
+            known_blocks=sum(block.shape[3] == size for block in cached_blocks),
+            prefill_end=usable if prefill_only else len(prompt),
             block_size=size,
         )
 
@@ -495,3 +496,14 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
     elif isinstance(configured, (list, tuple)):
         ids.update(int(i) for i in configured)
     return frozenset(ids)
+
+
+def _leading(blocks: Sequence[torch.Tensor], tokens: int) -> list[torch.Tensor]:
+    """Return the blocks covering the first `tokens` positions, the last cut to the positions needed."""
+    kept: list[torch.Tensor] = []
+    for block in blocks:
+        if tokens <= 0:
+            break
+        kept.append(block if block.shape[3] <= tokens else block[:, :, :, :tokens])  # [layers, 2, heads, n, dim]
+        tokens -= block.shape[3]
+    return kept

@@ -85,13 +85,15 @@ class KVReservation:
         return self._buffer
 
     def load(self, blocks: Sequence[torch.Tensor]) -> None:
-        """Put `blocks` (block 0 first) into the buffer's leading positions; blocks fetched there already stay."""
+        """Put `blocks` (block 0 first; the last may be partial) into the buffer's leading positions; blocks fetched
+        there already stay."""
         assert self._buffer is not None, "only a model with KV buffers takes cached blocks"
-        size = blocks[0].shape[3] if blocks else 0
-        for index, block in enumerate(blocks):
-            slot = self._buffer[:, :, :, index * size : (index + 1) * size]
+        start = 0
+        for block in blocks:
+            slot = self._buffer[:, :, :, start : start + block.shape[3]]
             if block.data_ptr() != slot.data_ptr() or block.stride() != slot.stride():
                 slot.copy_(block, non_blocking=True)
+            start += block.shape[3]
 
     def ensure(self, tokens: int, filled: int) -> torch.Tensor:
         """Return the buffer with room for `tokens` tokens, growing it (keeping its first `filled`) if needed."""

@@ -58,11 +58,15 @@ def reuse_refusal(config: PretrainedConfig) -> str | None:
 
 
 def check_blocks(blocks: Sequence[torch.Tensor], geometry: KVGeometry) -> None:
-    """Raise BlockMismatchError unless every block has the geometry's shape and dtype."""
+    """Raise BlockMismatchError unless every block has the geometry's shape and dtype; the last may be partial (fewer
+    positions)."""
     for index, block in enumerate(blocks):
         if not isinstance(block, torch.Tensor):
             raise BlockMismatchError(f"cached block {index} is a {type(block).__name__}, not a torch.Tensor")
-        if tuple(block.shape) != geometry.block_shape or block.dtype != geometry.dtype:
+        shape = list(geometry.block_shape)
+        if index == len(blocks) - 1 and block.dim() == len(shape) and 0 < block.shape[3] < shape[3]:
+            shape[3] = block.shape[3]  # a partial block: its leading positions only
+        if list(block.shape) != shape or block.dtype != geometry.dtype:
             raise BlockMismatchError(
                 f"cached block {index} has shape {tuple(block.shape)} and dtype {block.dtype}, but this model's "
                 f"blocks are {geometry.block_shape} {geometry.dtype} ([layers, 2, kv_heads, block_size, "

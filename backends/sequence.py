@@ -53,8 +53,8 @@ class SequencePlan:
     """What to compute: the prompt, the cached blocks to start from, and where prefill ends."""
 
     prompt: Seq[int]
-    cached_blocks: Seq[torch.Tensor]  # the blocks to load; already checked and trimmed
-    known_blocks: int  # blocks the caller already has (passed in), never handed back again
+    cached_blocks: Seq[torch.Tensor]  # the blocks to load (the last may be partial); already checked and trimmed
+    known_blocks: int  # whole blocks the caller already has (passed in), never handed back again
     prefill_end: int  # prompt tokens to have in the cache when prefill ends
     block_size: int
 
@@ -80,9 +80,9 @@ class Sequence:
         self._decoding = decoding
         self._on_block = on_block
         self._pending_blocks: Seq[torch.Tensor] = plan.cached_blocks
-        self.start = len(plan.cached_blocks) * plan.block_size  # tokens served from the cache
+        self.start = sum(block.shape[3] for block in plan.cached_blocks)  # tokens served from the cache
         self.computed = self.start  # tokens whose K and V are in the cache
-        self._next_block = len(plan.cached_blocks)
+        self._next_block = self.start // plan.block_size  # a partial block is completed here, and handed back
         # transformers' own cache, for a model without KV buffers (it runs alone, a whole prompt in one pass).
         self.cache: DynamicCache | None = None
         self._generated = 0
@@ -179,8 +179,21 @@ class Sequence:
         if chunk.finish_reason is not None:
             # The last token is never fed back: its K and V are not needed, so no block covers it.
             self._finished = True
+            self._hand_back_tail()
             self.release()
         self._outbox = chunk
+
+    def _hand_back_tail(self) -> None:
+        """Hand back the incomplete last block (a tail), for a follow-up prompt to reuse to the token."""
+        size = self._plan.block_size
+        index, filled = divmod(self.computed, size)
+        buffer = self.memory.buffer
+        if self._on_block is None or buffer is None or not filled:
+            return
+        with torch.inference_mode(False):
+            kv = buffer.new_zeros((*buffer.shape[:3], size, buffer.shape[4]))  # kv: [layers, 2, kv_heads, block, hd]
+            kv[:, :, :, :filled] = buffer[:, :, :, index * size : self.computed]
+        self._on_block(index, self.tokens[index * size : self.computed], kv)
 
     def _hand_back_blocks(self) -> None:
         size = self._plan.block_size

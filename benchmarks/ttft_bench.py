@@ -12,6 +12,11 @@ prefix length it measures, in one run:
   as Redis counts them (its `total_reads_processed`);
 - ideal: the prefix's K and V kept in a KV buffer and the question computed after it in a packed step, no store and
   no admission: the floor for any cache.
+
+Then, at `--offset-length` tokens (4096), prefixes that end at each of `--offsets` tokens into a block: an earlier
+request (the prefix and another question) leaves its blocks in a host-tier store as the engine files them, whole
+blocks and the tail; the prefix and the question then start from what the store finds, to the token. Offset 0 is the
+block-aligned case the others are compared with.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from prefixgate.backends import HFBackend, KVReservation, SamplingParams
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.store import (
     Block,
+    BlockKey,
     BlockLayout,
     Namespace,
     RemoteConfig,
@@ -40,9 +46,11 @@ from prefixgate.store import (
     TierConfig,
     TieredStore,
     chain_keys,
+    tail_key,
 )
 
 QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
+OTHER_QUESTION = "Name the node that served the most requests per second in the report above, and say when it did."
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 TIERS = ("device", "host", "disk")
 
@@ -152,6 +160,66 @@ async def measure(
     return times
 
 
+async def measure_offsets(
+    backend: HFBackend, length: int, offsets: Sequence[int], question: list[int], other: list[int], repeats: int
+) -> dict[int, tuple[float, int]]:
+    """Return the median warm time to first token, and the cached tokens, of a prefix ending at each offset."""
+    size = backend.geometry.block_size
+    document = document_tokens(backend, length + size)
+    whole: list[torch.Tensor] = []
+    await backend.prefill(document, [], lambda index, tokens, kv: whole.append(kv))  # the document's blocks, once
+    geometry = backend.geometry
+    layout = BlockLayout(geometry.block_shape, geometry.dtype)
+    namespace = Namespace(backend.fingerprint, backend.tokenizer_hash, layout.dtype_name, layout.shape)
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for offset in offsets:
+            prefix = document[: length + offset]
+            with open_store("host", Path(folder), layout, 4 * length // size * layout.nbytes, backend.device) as store:
+                seed = store.seed(namespace)
+                earlier = prefix + other
+                keys = chain_keys(seed, earlier, size)
+                cached = whole[: len(prefix) // size]
+                parents = [None, *keys]
+                store.put(
+                    [
+                        Block(keys[i], tuple(earlier[i * size : (i + 1) * size]), kv, parents[i])
+                        for i, kv in enumerate(cached)
+                    ]
+                )
+                store.put(await run_and_file(backend, earlier, cached, keys))
+                tokens = prefix + question
+                seconds, hits = [], set()
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    reservation = await backend.reserve(len(tokens), FIRST_TOKEN.max_tokens)
+                    hit = await asyncio.to_thread(store.fetch, namespace, tokens, reservation.buffer)
+                    await first_token_seconds(backend, tokens, hit.kv, reservation)
+                    seconds.append(time.perf_counter() - start)
+                    hits.add(hit.cached_tokens)
+                assert len(hits) == 1, hits
+                results[offset] = (statistics.median(seconds), hits.pop())
+    return results
+
+
+async def run_and_file(
+    backend: HFBackend, tokens: list[int], cached: list[torch.Tensor], keys: list[BlockKey]
+) -> list[Block]:
+    """Run a request from its cached blocks; return the blocks it computed, keyed as the engine files them: whole
+    blocks by their chain keys, the tail after its parent."""
+    size = backend.geometry.block_size
+    filed: list[Block] = []
+
+    def file(index: int, block_tokens: Sequence[int], kv: torch.Tensor) -> None:
+        parent = keys[index - 1] if index else None
+        key = keys[index] if len(block_tokens) == size else tail_key(keys[index - 1], block_tokens)
+        filed.append(Block(key, tuple(block_tokens), kv, parent))
+
+    async for _ in backend.generate(tokens, cached, FIRST_TOKEN, on_block=file):
+        pass
+    return filed
+
+
 def _reads(server: redis.Redis | None) -> int:
     """Return how many times Redis has read from a client since it started (each request a round trip)."""
     assert server is not None
@@ -187,12 +255,14 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=9, help="warm and ideal runs per cell (median)")
     parser.add_argument("--json", type=Path, help="also write the medians, in seconds, to this file")
     parser.add_argument("--remote", metavar="URL", help="add a column warm from this Redis (its blocks are deleted)")
+    parser.add_argument(
+        "--offsets", type=int, nargs="*", default=list(range(0, 64, 8)), help="tokens into a block a prefix ends at"
+    )
+    parser.add_argument("--offset-length", type=int, default=4096, help="the whole blocks before those offsets")
     args = parser.parse_args()
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
     try:
-        question = backend.render_text(QUESTION)[:32]
-        question += question[: 32 - len(question)]
-        assert len(question) == 32
+        question, other = ((backend.render_text(text) * 2)[:32] for text in (QUESTION, OTHER_QUESTION))
         await first_token_seconds(backend, backend.render_text("warm up the kernels"), [])
         print(
             f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {torch.get_num_threads()} threads; "
@@ -219,6 +289,28 @@ async def main() -> None:
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, ["-" * w for w in widths], *rows]:
             print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+        if args.offsets:
+            length = args.offset_length
+            found = await measure_offsets(backend, length, args.offsets, question, other, args.repeats)
+            aligned = found[0][0] if 0 in found else None
+            print(
+                f"\nA prefix of {length} tokens plus an offset, then the question; an earlier request left the prefix "
+                "and another question cached"
+            )
+            header = ["offset", "prompt", "cached", "warm", "vs aligned"]
+            rows = [
+                [
+                    str(offset),
+                    str(length + offset + len(question)),
+                    str(cached),
+                    f"{seconds * 1e3:.0f} ms",
+                    f"{seconds / aligned:.2f}x" if aligned else "",
+                ]
+                for offset, (seconds, cached) in found.items()
+            ]
+            widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+            for row in [header, ["-" * w for w in widths], *rows]:
+                print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
         if args.json is not None:
             args.json.write_text(json.dumps({"device": str(backend.device), "seconds": measured}, indent=1))
     finally:

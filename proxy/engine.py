@@ -32,7 +32,16 @@ from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.prompt_size import check_prompt_size
 from prefixgate.proxy.statistics import EngineStats
-from prefixgate.store import Block, BlockKey, Namespace, PrefixHit, TieredStore, chain_keys
+from prefixgate.store import (
+    Block,
+    BlockKey,
+    Namespace,
+    PrefixHit,
+    TieredStore,
+    chain_keys,
+    shared_prefix,
+    tail_key,
+)
 from prefixgate.threads import use_threads
 
 _log = logging.getLogger(__name__)
@@ -111,8 +120,9 @@ class PreparedPrompt:
         writes: dict[float, int] = {}
         for block in range(cached_tokens // block_size, len(self.token_ids) // block_size):
             seconds = self.retention(block, block_size)
-            if seconds is not None:
-                writes[seconds] = writes.get(seconds, 0) + block_size
+            if seconds is not None:  # a block partly read from the cache counts only the rest
+                computed = (block + 1) * block_size - max(cached_tokens, block * block_size)
+                writes[seconds] = writes.get(seconds, 0) + computed
         return writes
 
 
@@ -179,6 +189,9 @@ class Engine:
         self._patterns = tuple(patterns)
         self._layout = layout
         self._inflight: dict[BlockKey, asyncio.Future[None]] = {}
+        # Blocks handed to the filer and not yet stored: their waiters go on once the filer is done with them, not when
+        # the request that computed them ends (a request ending with its last block would leave them a miss).
+        self._filing: set[BlockKey] = set()
         # One thread files blocks into the store, in the order the model completes them, off the model's thread.
         # Its copies run on one CPU thread, so it makes no OpenMP pool beside the model's (see prefixgate.threads).
         self._filer = ThreadPoolExecutor(
@@ -232,7 +245,7 @@ class Engine:
             hit, owned = await self._claim(prepared, reservation.buffer)
             stream = self.backend.generate(
                 prepared.token_ids,
-                [block.kv for block in hit.blocks],
+                hit.kv,
                 request.params,
                 on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
@@ -275,9 +288,7 @@ class Engine:
         except BaseException:
             reservation.release()
             raise
-        computed_tokens = await self.backend.prefill(
-            prepared.token_ids, [block.kv for block in hit.blocks], on_block, reservation=reservation
-        )
+        computed_tokens = await self.backend.prefill(prepared.token_ids, hit.kv, on_block, reservation=reservation)
         # In a worker thread: the copies below are tensor work, which must neither hold the event loop nor give its
         # thread an OpenMP pool (see prefixgate.threads).
         await asyncio.to_thread(self._keep, prepared, hit.blocks, computed, pinned, ttl)
@@ -359,12 +370,7 @@ class Engine:
             cut_ids = self._render(cut).token_ids
         except RequestError:  # the template takes no such prompt (tools without messages): it keeps nothing
             return Retained(0, point.seconds)
-        common = 0
-        for mine, theirs in zip(token_ids, cut_ids, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        return Retained(common, point.seconds)
+        return Retained(shared_prefix(token_ids, cut_ids), point.seconds)
 
     def _keep(
         self, prepared: PreparedPrompt, cached: Sequence[Block], computed: list[Block], pinned: bool, ttl: float | None
@@ -433,8 +439,10 @@ class Engine:
             self.stats.count_error()
 
     def _release(self, owned: list[BlockKey]) -> None:
-        """Let waiters go on when a request ends, whether or not its blocks were stored."""
+        """Let waiters go on when a request ends: for blocks it never computed now, for the rest once filed."""
         for key in owned:
+            if key in self._filing:
+                continue
             future = self._inflight.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(None)
@@ -447,11 +455,16 @@ class Engine:
 
         def on_block(index: int, tokens: Sequence[int], kv: torch.Tensor) -> None:
             # Runs on the model's thread: key it (generated tokens extend the chain) and hand it on.
+            parent = keys[index - 1] if index else None
+            if len(tokens) < block_size:  # a tail: found after its parent, so a first block's is of no use
+                if parent is not None:
+                    block = Block(tail_key(parent, tokens), tuple(tokens), kv, parent=parent, tenant=prepared.tenant)
+                    self._filer.submit(self._file, block, loop, None)
+                return
             if index == len(keys):
                 keys.append(chain_keys(keys[-1].digest if keys else seed, tokens, block_size)[0])
-            key = keys[index]
-            parent = keys[index - 1] if index else None
-            block = Block(key, tuple(tokens), kv, parent=parent, tenant=prepared.tenant)
+            block = Block(keys[index], tuple(tokens), kv, parent=parent, tenant=prepared.tenant)
+            self._filing.add(block.key)
             self._filer.submit(self._file, block, loop, prepared.retention(index, block_size))
 
         return on_block
@@ -467,6 +480,7 @@ class Engine:
             loop.call_soon_threadsafe(self._stored, block.key)
 
     def _stored(self, key: BlockKey) -> None:
+        self._filing.discard(key)
         future = self._inflight.pop(key, None)
         if future is not None and not future.done():
             future.set_result(None)

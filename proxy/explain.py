@@ -1,11 +1,11 @@
 """Explain a request's cache misses: what of its prompt is cached in which tier, and where and why the rest departs.
 
-The cached prefix ends at a block boundary; the exact token where the prompt departs is found by comparing the
-prompt's next block with the cached blocks that continue the same chain (the children of the last block that hit),
-and the nearest of them decides. That token is mapped back to a message and a character by decoding the token
-prefix and finding each message's content in the decoded prompt (`_PromptText`), which works for any tokenizer and
-chat template that keeps message contents verbatim. A dynamic value (a timestamp, a date, a UUID) found where the
-prompt departs is named as the likely cause.
+The cached prefix runs through whole blocks and then the leading tokens of the nearest cached block that continues
+the same chain (found by the store's lookup, under the last block that hit), so the token where the prompt departs is
+where that block's tokens and the prompt's first differ. That token is mapped back to a message and a character by
+decoding the token prefix and finding each message's content in the decoded prompt (`_PromptText`), which works for
+any tokenizer and chat template that keeps message contents verbatim. A dynamic value (a timestamp, a date, a UUID)
+found where the prompt departs is named as the likely cause.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prefixgate.backends import Backend
 from prefixgate.backends.router import BLOCK_CHARS, Route, Upstream
 from prefixgate.proxy.layout import STATIC_ROLES, DynamicMatch, DynamicPattern, MovedValue, find_dynamic
-from prefixgate.store import Block, BlockKey, TieredStore, chain_keys
+from prefixgate.store import Block, BlockKey, PrefixMatch, TieredStore, chain_keys, shared_prefix
 
 if TYPE_CHECKING:
     from prefixgate.proxy.engine import PreparedPrompt
@@ -51,7 +51,7 @@ class Explanation:
 
     tenant: str
     prompt_tokens: int
-    reusable_tokens: int  # the most the cache could serve: full blocks before the last token
+    reusable_tokens: int  # the most the cache could serve: every token before the last, once a block precedes it
     cached_tokens: int
     tokens_by_tier: dict[str, int]
     messages: list[dict[str, Any]] | None  # as rendered: canonical and laid out
@@ -162,10 +162,11 @@ def explain_prompt(
     reuse = backend.prefix_reuse
     by_tier = {tier.name: 0 for tier in store.tiers} | (match.tokens_by_tier if reuse else {})
     cached = match.cached_tokens if reuse else 0
-    reusable = prepared.reusable * size
+    # A partial block is found under the block before it, so the first block is reused whole or not at all.
+    reusable = len(prepared.token_ids) - 1 if len(prepared.token_ids) > size else 0
     departure = None
     if reuse and cached < reusable:
-        departure = _departure(store, backend, prepared, len(match.tiers), patterns, layout)
+        departure = _departure(store, backend, prepared, match, patterns, layout)
     changed = tuple(
         index
         for index, (before, after) in enumerate(zip(original or (), canonical or (), strict=True))
@@ -229,13 +230,20 @@ def _departure(
     store: TieredStore,
     backend: Backend,
     prepared: PreparedPrompt,
-    block: int,
+    match: PrefixMatch,
     patterns: Sequence[DynamicPattern],
     layout: bool,
 ) -> Departure:
     size = store.layout.block_size
     tokens = prepared.token_ids
-    nearest, common = _nearest_block(store, prepared, block)
+    block = len(match.tiers)
+    nearest: tuple[BlockKey, tuple[int, ...]] | None = None
+    common = 0
+    if match.partial is not None:  # the block continuing the prefix that shares the most tokens, as the lookup found it
+        nearest, common = (match.partial.key, match.partial.block_tokens), match.partial.tokens
+    elif block == 0:
+        found, common = _nearest_first_block(store, prepared)
+        nearest = (found.key, found.tokens) if found is not None else None
     token = block * size + common
     text = _PromptText(backend, tokens, prepared.messages)
     start = text.offset(token)
@@ -246,32 +254,35 @@ def _departure(
         # The departing token's own span; a value that overlaps it is what made the prompts differ.
         width = text.offset(token + 1) - start
         dynamic = _dynamic_at(text.content(message), character, character + width, patterns)
-    cached_text = backend.decode(nearest.tokens[common:]) if nearest is not None else None
+    cached_text = backend.decode(nearest[1][common:]) if nearest is not None else None
     prompt_text = backend.decode(tokens[token : token + _SNIPPET_TOKENS])
     departure = Departure(
-        token, block, message, role, character, nearest.key if nearest else None, prompt_text, cached_text, dynamic, ""
+        token, block, message, role, character, nearest[0] if nearest else None, prompt_text, cached_text, dynamic, ""
     )
     return replace(departure, cause=_cause(departure, layout, len(text.spans), prepared.moved))
 
 
-def _nearest_block(store: TieredStore, prepared: PreparedPrompt, block: int) -> tuple[Block | None, int]:
-    """Return the cached block continuing the prompt's cached prefix that shares most tokens with its next block."""
+def _nearest_first_block(store: TieredStore, prepared: PreparedPrompt) -> tuple[Block | None, int]:
+    """Return the cached first block of this namespace that shares most tokens with the prompt's first block.
+
+    A first block has no parent to index it under, so this reads the tenant's entries: a dry run's cost, never a
+    request's.
+    """
     size = store.layout.block_size
-    parent = prepared.keys[block - 1] if block else None
-    wanted = prepared.token_ids[block * size : (block + 1) * size]
+    wanted = prepared.token_ids[:size]
     seed = store.seed(prepared.namespace)
     best: Block | None = None
     best_common = 0
     seen: set[BlockKey] = set()
     for entry in store.entries(tenant=prepared.tenant):
-        if entry.parent != parent or entry.key in seen:
+        if entry.parent is not None or entry.key in seen:
             continue
         seen.add(entry.key)
         candidate = store.read(entry.key)
         # A first block has no parent to tie it to this namespace (model, tenant, salt); its key does.
-        if candidate is None or (parent is None and chain_keys(seed, candidate.tokens, size)[:1] != [entry.key]):
+        if candidate is None or chain_keys(seed, candidate.tokens, size)[:1] != [entry.key]:
             continue
-        common = _common_length(candidate.tokens, wanted)
+        common = shared_prefix(candidate.tokens, wanted)
         if best is None or common > best_common:
             best, best_common = candidate, common
     return best, best_common
@@ -293,7 +304,7 @@ class _PromptText:
         # Decoding the token prefix is simpler than tracking offsets through the tokenizer, and right for any of
         # them: where a token ends inside a character (byte-level BPE), the common prefix stops before it.
         prefix = self._backend.decode(self._tokens[:token])
-        return _common_length(prefix, self.text)
+        return shared_prefix(prefix, self.text)
 
     def locate(self, offset: int) -> tuple[int | None, int | None]:
         """Return the message and the character in its content at `offset`; no character in template text."""
@@ -415,18 +426,9 @@ def _summary(backend: Backend, prompt: int, reusable: int, cached: int, size: in
         )
     head = f"{cached} of {prompt} prompt tokens would be served from the cache"
     if departure is None:
-        return f"{head}: every full block before the last token"
+        return f"{head}: every token before the last"
     place = f"token {departure.token}"
     if departure.message is not None:
         place += f" (message {departure.message}"
         place += f", character {departure.character})" if departure.character is not None else ", template text)"
     return f"{head}; the prompt departs from the nearest cached prefix at {place}: {departure.cause}"
-
-
-def _common_length(first: Sequence[object], second: Sequence[object]) -> int:
-    count = 0
-    for a, b in zip(first, second, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count

@@ -2,14 +2,23 @@
 
 Exports: `TieredStore` (open, lookup, fetch, put, retain, inspect, delete, flush), its `StoreConfig`, `TierConfig`
 and `RemoteConfig` (the Redis tier), `Block`, `BlockLayout` and `Keep` (how a block is kept: pinned, own ttl,
-retention), `BlockKey`, `Namespace` and `chain_keys`, and what inspection returns (`PrefixMatch`, `PrefixHit`,
-`TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never HTTP or models.
+retention), `BlockKey`, `Namespace`, `chain_keys`, `tail_key` and `shared_prefix`, and what inspection returns
+(`PrefixMatch`, `PrefixHit`, `PartialBlock`, `TierStats`, `EntryInfo`). The store knows tensors, bytes and keys; never
+HTTP or models.
 """
 
 from prefixgate.store.block import Block, BlockLayout, Keep
-from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys
+from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys, shared_prefix, tail_key
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
-from prefixgate.store.tiered_store import PrefixHit, PrefixMatch, RemoteConfig, StoreConfig, TierConfig, TieredStore
+from prefixgate.store.tiered_store import (
+    PartialBlock,
+    PrefixHit,
+    PrefixMatch,
+    RemoteConfig,
+    StoreConfig,
+    TierConfig,
+    TieredStore,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -19,6 +28,7 @@ __all__ = [
     "EntryInfo",
     "Keep",
     "Namespace",
+    "PartialBlock",
     "PrefixHit",
     "PrefixMatch",
     "RemoteConfig",
@@ -28,4 +38,6 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "chain_keys",
+    "shared_prefix",
+    "tail_key",
 ]

@@ -46,15 +46,20 @@ class BlockLayout:
                 f"block {block.key.hex()} is {tuple(block.kv.shape)} {block.kv.dtype}, "
                 f"but this store holds {self.shape} {self.dtype}"
             )
-        if len(block.tokens) != self.block_size:
+        if not 0 < len(block.tokens) <= self.block_size:
             raise BlockMismatchError(
-                f"block {block.key.hex()} covers {len(block.tokens)} tokens, but blocks here cover {self.block_size}"
+                f"block {block.key.hex()} covers {len(block.tokens)} tokens, but blocks here cover {self.block_size} "
+                "(a tail, fewer)"
             )
 
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One cached block: its key, the token ids it covers, its KV tensor and where it came from."""
+    """One cached block: its key, the token ids it covers, its KV tensor and where it came from.
+
+    A whole block covers `block_size` tokens. A tail covers fewer: the end of a sequence, K and V in its leading
+    positions; it is found after its parent and reused as far as its tokens go (see `keys.tail_key`).
+    """
 
     key: BlockKey
     tokens: tuple[int, ...]

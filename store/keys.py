@@ -100,6 +100,15 @@ def chain_keys(seed: bytes, tokens: Sequence[int], block_size: int, *, limit: in
     return keys
 
 
+def tail_key(parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
+    """Return the key of a tail: the fewer than `block_size` tokens that end a sequence after block `parent`.
+
+    Apart from every chain key (a tail's bytes start with a marker), and unique to its parent and tokens: a tail is
+    found by its parent and compared token by token, never looked up by key.
+    """
+    return BlockKey(xxhash.xxh3_128_digest(b"tail" + parent.digest + array("I", tokens).tobytes()))
+
+
 def load_or_create_secret(folder: Path) -> bytes:
     """Return the deployment secret kept in `folder`, creating it once; safe when processes race."""
     path = folder / SECRET_FILE
@@ -127,3 +136,13 @@ def _read_secret(path: Path) -> bytes:
     if len(secret) != _SECRET_BYTES:
         raise StoreError(f"{path} is damaged ({len(secret)} bytes, expected {_SECRET_BYTES}); delete it to reset")
     return secret
+
+
+def shared_prefix(first: Sequence[object], second: Sequence[object]) -> int:
+    """Return how many leading items (token ids, characters) two sequences share."""
+    shared = 0
+    for mine, theirs in zip(first, second, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared

@@ -17,7 +17,7 @@ from prefixgate.policies import Policy
 from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import BlockHeader, CorruptBlockError, decode, encode, read_header
 from prefixgate.store.keys import BlockKey
-from prefixgate.store.tier import EntryInfo, Tier
+from prefixgate.store.tier import EntryInfo, Held, Tier
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LMDBTier(Tier):
             max_readers=512,
         )
         self._lock = threading.RLock()
-        self._index: dict[BlockKey, BlockHeader] = {}
+        self._index: Held[BlockHeader] = Held()
         # Writes queued but not yet committed: a _Put is served from here, a _Delete hides what is on disk.
         self._pending: dict[BlockKey, _Put | _Delete] = {}
         # Blocks queued and not yet written hold their tensors (on a GPU, device memory): at most this many.
@@ -168,7 +168,7 @@ class LMDBTier(Tier):
             header = self._index.get(key)
             if header is None:
                 return False
-            self._index[key] = replace(header, keep=header.keep.merged(Keep(retain_until=until)))
+            self._index.set(key, header.parent, replace(header, keep=header.keep.merged(Keep(retain_until=until))))
             self._retain(key, until)
         return True
 
@@ -199,7 +199,7 @@ class LMDBTier(Tier):
     def remove(self, key: BlockKey) -> bool:
         op = _Delete((key,))
         with self._lock:
-            held = self._index.pop(key, None) is not None
+            held = self._index.pop(key) is not None
             self._pending[key] = op
             self.policy.remove(key)
             self._queue.put(op)
@@ -218,6 +218,13 @@ class LMDBTier(Tier):
     def keys(self) -> list[BlockKey]:
         with self._lock:
             return list(self._index)
+
+    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        # Only blocks this process has registered: another process's block is adopted when a lookup first asks for
+        # its key, so a child another process wrote is found after its own chain was looked up here once.
+        with self._lock:
+            found = [(key, self._index.get(key)) for key in self._index.children(parent)]
+        return [(key, header.tokens) for key, header in found if header is not None]
 
     def entry(self, key: BlockKey) -> EntryInfo | None:
         with self._lock:
@@ -320,13 +327,13 @@ class LMDBTier(Tier):
         return header
 
     def _register(self, key: BlockKey, header: BlockHeader) -> None:
-        self._index[key] = header
+        self._index.set(key, header.parent, header)
         self._track(key, header.created, header.keep)
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:
             if key in self._index and key not in self._pending:
-                del self._index[key]
+                self._index.pop(key)
                 self.policy.remove(key)
 
     def _drop_corrupt(self, key: BlockKey, why: str) -> None:
@@ -339,7 +346,7 @@ class LMDBTier(Tier):
 
     def _enqueue(self, op: _Put) -> None:
         """Queue a block for the writer, serving it from memory meanwhile; the caller holds the lock."""
-        self._index[op.block.key] = self._header_of(op)
+        self._index.set(op.block.key, op.block.parent, self._header_of(op))
         self._pending[op.block.key] = op
         self._track(op.block.key, op.block.created, op.keep)
         self._unwritten += 1
@@ -435,7 +442,7 @@ class LMDBTier(Tier):
                     if self._pending.get(key) is op:
                         del self._pending[key]
                         if isinstance(op, _Put) and id(op) not in landed_ids:
-                            self._index.pop(key, None)
+                            self._index.pop(key)
                             self.policy.remove(key)
 
     def _evict_one(self, batch: list[_Put | _Delete]) -> bool:
@@ -444,7 +451,7 @@ class LMDBTier(Tier):
             victim = self.victim()
             if victim is None:
                 return False
-            del self._index[victim]
+            self._index.pop(victim)
             delete = self._pending[victim] = _Delete((victim,))
             self.policy.remove(victim)
         self.counters.add("evictions")

@@ -12,7 +12,7 @@ from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
 from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.keys import BlockKey
-from prefixgate.store.tier import EntryInfo, Tier
+from prefixgate.store.tier import EntryInfo, Held, Tier
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as PyTorch registers memory
 
@@ -62,7 +62,7 @@ class MemoryTier(Tier):
             self._unpin.atexit = False  # at exit the process's end releases the pages anyway
         # Pop from the end: the lowest slots are used first, which keeps a small working set warm in caches.
         self._free = list(range(slots - 1, -1, -1))
-        self._slots: dict[BlockKey, _Slot] = {}
+        self._slots: Held[_Slot] = Held()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -112,12 +112,12 @@ class MemoryTier(Tier):
         # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
         view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
-        self._slots[block.key] = _Slot(index, stored, keep)
+        self._slots.set(block.key, block.parent, _Slot(index, stored, keep))
         self._track(block.key, block.created, keep)
         return True
 
     def remove(self, key: BlockKey) -> bool:
-        slot = self._slots.pop(key, None)
+        slot = self._slots.pop(key)
         if slot is None:
             return False
         self._free.append(slot.index)
@@ -137,6 +137,10 @@ class MemoryTier(Tier):
 
     def keys(self) -> list[BlockKey]:
         return list(self._slots)
+
+    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        found = [(key, self._slots.get(key)) for key in self._slots.children(parent)]
+        return [(key, slot.block.tokens) for key, slot in found if slot is not None]
 
     def entry(self, key: BlockKey) -> EntryInfo | None:
         slot = self._slots.get(key)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -75,6 +75,67 @@ class TierCounters:
 
 
 _COUNTER_LOCK = threading.Lock()
+
+V = TypeVar("V")
+
+
+class Held(Generic[V]):
+    """The blocks a tier holds, by key, and the held children of each block, kept in step with every change.
+
+    The children index is what finds a block that continues a cached prefix without scanning the tier: each block
+    records its parent, so the blocks after a given one are the children held under it, newest last.
+    """
+
+    __slots__ = ("_children", "_parents", "_values")
+
+    def __init__(self) -> None:
+        self._values: dict[BlockKey, V] = {}
+        self._parents: dict[BlockKey, BlockKey | None] = {}
+        self._children: dict[BlockKey, dict[BlockKey, None]] = {}
+
+    def get(self, key: BlockKey) -> V | None:
+        """Return what is held under `key`, or None."""
+        return self._values.get(key)
+
+    def set(self, key: BlockKey, parent: BlockKey | None, value: V) -> None:
+        """Hold `value` under `key`, a child of `parent` (None for a prefix's first block)."""
+        if key not in self._values:
+            self._parents[key] = parent
+            if parent is not None:
+                self._children.setdefault(parent, {})[key] = None
+        self._values[key] = value
+
+    def pop(self, key: BlockKey) -> V | None:
+        """Stop holding `key`; return what was held, or None."""
+        value = self._values.pop(key, None)
+        if value is None:
+            return None
+        parent = self._parents.pop(key)
+        if parent is not None:
+            siblings = self._children[parent]
+            del siblings[key]
+            if not siblings:
+                del self._children[parent]
+        return value
+
+    def clear(self) -> None:
+        """Hold nothing."""
+        self._values.clear()
+        self._parents.clear()
+        self._children.clear()
+
+    def children(self, parent: BlockKey) -> list[BlockKey]:
+        """Return the held blocks whose parent is `parent`, the newest last."""
+        return list(self._children.get(parent, ()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(self._values)
 
 
 class Tier(ABC):
@@ -179,6 +240,10 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[BlockKey]:
         """Return the keys of every held block."""
+
+    @abstractmethod
+    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        """Return the held blocks that follow `parent` in a prefix, with their token ids, the newest last."""
 
     @abstractmethod
     def peek(self, key: BlockKey) -> Block | None:

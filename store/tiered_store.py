@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy, make_policy
 from prefixgate.store.block import Block, BlockLayout, Keep
-from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret
+from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret, shared_prefix
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
 from prefixgate.store.redis_tier import (
@@ -31,6 +32,9 @@ from prefixgate.store.tier import EntryInfo, Tier, TierStats
 
 DISK_FOLDER = "blocks.lmdb"
 _LISTING_CHUNK = 256  # entries listed per hold of the lock: well under a millisecond
+# Blocks after a prefix compared per tier for a partial reuse, the newest first: a bound on the lookup's work however
+# many different continuations (one per question after a shared system prompt) a block has.
+_CONTINUATIONS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +75,30 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PartialBlock:
+    """A cached block that continues the prefix past its last whole block, reused up to where its tokens depart."""
+
+    key: BlockKey
+    tier: str
+    # Its leading positions reused: up to the first token that differs (or the prompt's last token); 0 when the
+    # nearest block continuing the prefix differs from the first token on.
+    tokens: int
+    block_tokens: tuple[int, ...]  # all its token ids, for explaining where it departs
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Where the cached prefix of a prompt lies: the tier of each leading block present, without loading any."""
 
     keys: tuple[BlockKey, ...]  # every block key the prompt may reuse (all but its last token)
     tiers: tuple[str, ...]  # the tier holding each leading block, as long as the run lasts
     block_size: int
+    partial: PartialBlock | None = None  # the leading tokens of the block after the run, when some block has them
 
     @property
     def cached_tokens(self) -> int:
         """Return how many prompt tokens the prefix covers."""
-        return len(self.tiers) * self.block_size
+        return len(self.tiers) * self.block_size + (self.partial.tokens if self.partial is not None else 0)
 
     @property
     def tokens_by_tier(self) -> dict[str, int]:
@@ -89,6 +106,8 @@ class PrefixMatch:
         counts: dict[str, int] = defaultdict(int)
         for name in self.tiers:
             counts[name] += self.block_size
+        if self.partial is not None and self.partial.tokens:
+            counts[self.partial.tier] += self.partial.tokens
         return dict(counts)
 
 
@@ -97,6 +116,13 @@ class PrefixHit(PrefixMatch):
     """A prefix match with its blocks loaded and verified, each from the tier named beside it."""
 
     blocks: tuple[Block, ...] = field(default=(), repr=False)
+    # The partial block's reused positions, a view into the fetched prefix: [layers, 2, kv_heads, tokens, head_dim].
+    partial_kv: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """Return the prefix's K and V piece by piece: each whole block, then the partial block's positions."""
+        return [block.kv for block in self.blocks] + ([self.partial_kv] if self.partial_kv is not None else [])
 
 
 class TieredStore:
@@ -222,14 +248,16 @@ class TieredStore:
             tiers.append(tier.name)
         if self.remote is not None and len(tiers) < len(keys):
             tiers += [self.remote.name] * self.remote.present(keys[len(tiers) :])
-        return PrefixMatch(keys, tuple(tiers), self.layout.block_size)
+        partial = self._continuation(keys, len(tiers), tokens)
+        return PrefixMatch(keys, tuple(tiers), self.layout.block_size, partial)
 
     def fetch(self, namespace: Namespace, tokens: Sequence[int], out: torch.Tensor | None = None) -> PrefixHit:
         """Load and verify the prompt's cached prefix, promoting blocks found below the top tier.
 
         The prefix is assembled in one tensor, one copy per block, and each block's tensor is a view into it: into
         the leading positions of `out` (`[layers, 2, kv_heads, capacity, head_dim]` on the store's device, such as
-        a buffer the backend lends) when given, else into a new tensor.
+        a buffer the backend lends, with room for all the prompt's tokens but its last) when given, else into a new
+        tensor. After the whole blocks, the leading positions of a partial block may follow (`PrefixHit.partial`).
         """
         self.expire()
         size = self.layout.block_size
@@ -237,12 +265,13 @@ class TieredStore:
         blocks: list[Block] = []
         tiers: list[str] = []
         layers, two, heads, _, head_dim = self.layout.shape
+        reach = max(len(tokens) - 1, 0)  # the most a prefix may cover: the last token is always computed
         if out is None:
             out = torch.empty(
-                (layers, two, heads, len(keys) * size, head_dim), dtype=self.layout.dtype, device=self.device
+                (layers, two, heads, reach, head_dim), dtype=self.layout.dtype, device=self.device
             )  # out: [layers, 2, kv_heads, tokens, head_dim]
         else:
-            self._check_out(out, len(keys) * size)
+            self._check_out(out, reach)
         for index, key in enumerate(keys):
             slot = out[:, :, :, index * size : (index + 1) * size]
             found = self._get(key, tokens[index * size : (index + 1) * size], slot)
@@ -256,7 +285,51 @@ class TieredStore:
             self._promote_remote(remote)
             blocks += [found.block for found in remote]
             tiers += [self.remote.name] * len(remote)
-        return PrefixHit(keys, tuple(tiers), size, tuple(blocks))
+        partial, partial_kv = self._load_continuation(keys, len(blocks), tokens, out)
+        return PrefixHit(keys, tuple(tiers), size, partial, tuple(blocks), partial_kv)
+
+    def _continuation(self, keys: Sequence[BlockKey], run: int, tokens: Sequence[int]) -> PartialBlock | None:
+        """Return the held block after the run's last whole block that shares the most leading tokens with the
+        prompt's next ones (never its last token), or None when no block follows it.
+
+        Only blocks under the same parent key qualify, and a parent key belongs to one namespace, so a tenant's
+        partial block comes from its own blocks. The first block of a prompt has no parent to look under.
+        """
+        size = self.layout.block_size
+        wanted = tuple(tokens[run * size : min((run + 1) * size, len(tokens) - 1)])
+        if run == 0 or not wanted:
+            return None
+        best: PartialBlock | None = None
+        for tier in self.tiers:
+            with self._lock:
+                children = tier.children(keys[run - 1])[-_CONTINUATIONS:]
+            for key, block_tokens in reversed(children):
+                shared = shared_prefix(block_tokens, wanted)
+                if best is None or shared > best.tokens:
+                    best = PartialBlock(key, tier.name, shared, block_tokens)
+        return best
+
+    def _load_continuation(
+        self, keys: Sequence[BlockKey], run: int, tokens: Sequence[int], out: torch.Tensor
+    ) -> tuple[PartialBlock | None, torch.Tensor | None]:
+        """Copy the best partial block's shared positions into `out` after the run; return it and their view."""
+        partial = self._continuation(keys, run, tokens)
+        if partial is None or not partial.tokens:
+            return partial, None
+        size = self.layout.block_size
+        start = run * size
+        tier = next(tier for tier in self.tiers if tier.name == partial.tier)
+        # A memory tier's look is a view into its pool, valid while it does not change: read it under the lock. A disk
+        # read is not held under it.
+        with self._lock if not tier.persistent else contextlib.nullcontext():
+            # Verified here: the positions used hold the prompt's tokens (and on disk the checksum matches).
+            block = tier.peek(partial.key)
+            if block is None or block.tokens[: partial.tokens] != tuple(tokens[start : start + partial.tokens]):
+                return None, None
+            view = out[:, :, :, start : start + partial.tokens]  # view: [layers, 2, kv_heads, partial, head_dim]
+            view.copy_(block.kv[:, :, :, : partial.tokens])
+        tier.touch(partial.key)
+        return partial, view
 
     def _check_out(self, out: torch.Tensor, tokens: int) -> None:
         layers, two, heads, _, head_dim = self.layout.shape

@@ -28,6 +28,7 @@ class Prefix:
     leaf: BlockKey
     root: BlockKey
     blocks: int
+    tokens: int  # every block's tokens: whole blocks, and a tail's fewer
     tenant: str
     tiers: dict[str, int]  # blocks of the chain held in each tier
     complete: bool  # whether the chain reaches block 0 (a chain missing its start cannot be hit)
@@ -109,13 +110,13 @@ def longest_prefixes(entries: Sequence[EntryInfo], limit: int) -> list[Prefix]:
     return [_prefix(leaf, by_key) for leaf in chosen]
 
 
-def prefix_body(prefix: Prefix, block_size: int) -> dict[str, Any]:
+def prefix_body(prefix: Prefix) -> dict[str, Any]:
     """Return one cached prefix as JSON."""
     return {
         "key": prefix.leaf.hex(),
         "root": prefix.root.hex(),
         "blocks": prefix.blocks,
-        "tokens": prefix.blocks * block_size,
+        "tokens": prefix.tokens,
         "tenant": prefix.tenant,
         "tiers": prefix.tiers,
         "complete": prefix.complete,
@@ -232,14 +233,15 @@ def _depth(key: BlockKey, by_key: dict[BlockKey, list[EntryInfo]], depth: dict[B
 
 def _prefix(leaf: BlockKey, by_key: dict[BlockKey, list[EntryInfo]]) -> Prefix:
     tiers: dict[str, int] = defaultdict(int)
-    blocks = 0
+    blocks = tokens = 0
     current: BlockKey | None = leaf
     root = leaf
     while current is not None and current in by_key:
         root = current
         blocks += 1
+        tokens += by_key[current][0].tokens
         for entry in by_key[current]:
             tiers[entry.tier] += 1
         current = by_key[current][0].parent
     first = by_key[root][0]
-    return Prefix(leaf, root, blocks, by_key[leaf][0].tenant, dict(tiers), complete=first.parent is None)
+    return Prefix(leaf, root, blocks, tokens, by_key[leaf][0].tenant, dict(tiers), complete=first.parent is None)

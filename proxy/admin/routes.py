@@ -119,8 +119,7 @@ async def prefixes(request: web.Request) -> web.Response:
     limit = params.integer(query, "limit", 10, 1, params.MAX_LIMIT)
     found = await asyncio.to_thread(engine.store.entries, tenant=query.get("tenant"))
     _audit(request, "prefixes", **query)
-    size = engine.backend.geometry.block_size
-    chains = [prefix_body(prefix, size) for prefix in longest_prefixes(found, limit)]
+    chains = [prefix_body(prefix) for prefix in longest_prefixes(found, limit)]
     return web.json_response({"object": "list", "data": chains})
 
 

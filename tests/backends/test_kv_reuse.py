@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -75,6 +76,33 @@ async def test_logits_after_cached_prefix_match_full_recompute(
                 torch.testing.assert_close(logits[0], full[position], atol=ATOL, rtol=0)
             logits = runner.run([StepInput(prompt[cached * 8 :], buffer_from(blocks[:cached], 64), cached * 8)])
             torch.testing.assert_close(logits[0], full[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("shared", [0, 1, 4, 7])  # 8-token blocks: none, one, a middle count, all but one
+async def test_a_partial_block_serves_exactly_its_shared_positions_as_a_full_recompute_would(
+    make_backend: BackendFactory, llama: PreTrainedModel, steps: list[StepRecord], shared: int
+) -> None:
+    backend = make_backend(on_step=steps.append)
+    first = make_prompt(40)
+    second = first[: 16 + shared] + make_prompt(20, offset=11)  # departs from the first in block 2
+    assert second[16 + shared] != first[16 + shared]
+    sink = BlockSink()
+    await backend.prefill(first, [], sink)
+    # Block 2 of the first prompt holds the second's positions 16 .. 16 + shared: the leading ones, and no more.
+    cached = sink.blocks[:2] + ([sink.blocks[2][:, :, :, :shared]] if shared else [])
+    steps.clear()
+    again = BlockSink()
+    reused = await collect(backend, second, cached, on_block=again)
+    assert sum(step.tokens("prefill") for step in steps) == len(second) - 16 - shared
+    assert reused.token_ids == (await collect(backend, second)).token_ids
+    assert again.indices[0] == 2 and again.tokens[0] == second[16:24]  # the completed block is handed back
+    runner = ModelRunner(llama)
+    runner.pack()
+    with torch.inference_mode():
+        buffer = torch.zeros((*sink.blocks[0].shape[:3], 64, sink.blocks[0].shape[4]))
+        buffer[:, :, :, : 16 + shared] = torch.cat(cached, dim=3)  # buffer: [layers, 2, kv_heads, 64, head_dim]
+        logits = runner.run([StepInput(second[16 + shared :], buffer, 16 + shared)])
+        torch.testing.assert_close(logits[0], reference_logits(llama, second)[-1], atol=ATOL, rtol=0)
 
 
 async def test_a_packed_step_gives_each_request_the_logits_it_would_get_alone(
@@ -168,8 +196,8 @@ async def test_full_prompt_hit_still_computes_the_last_token(
     again = BlockSink()
     hit = await collect(backend, prompt, sink.blocks[:4], on_block=again)
     prefill = [s.tokens("prefill") for s in steps if s.tokens("prefill")]
-    # All 4 blocks were offered; the last is dropped and its 8 tokens recomputed to get the last token's logits.
-    assert prefill == [8]
+    # All 4 blocks were offered; the last is cut short by one token, recomputed to get the last token's logits.
+    assert prefill == [1]
     assert hit.token_ids == full.token_ids
     assert 3 not in again.indices, "a block the caller passed in is never handed back"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -11,12 +12,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import KVReservation, SamplingParams, StepRecord
+from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, SamplingParams, StepRecord
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings
-from prefixgate.store import Block, TieredStore
-from tests.proxy.conftest import on_event_loop, tiny_engine
+from prefixgate.store import Block, BlockLayout, StoreConfig, TierConfig, TieredStore, shared_prefix
+from tests.proxy.conftest import HANG_GUARD_SECONDS, on_event_loop, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 8
@@ -192,6 +193,33 @@ async def test_every_step_of_preparing_a_prompt_runs_off_the_event_loop(
     }
 
 
+async def test_a_request_right_after_the_one_that_computed_its_prefix_waits_for_those_blocks_to_be_filed(
+    engine_and_steps: tuple[Engine, list[StepRecord]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _ = engine_and_steps
+    store = engine.store
+    filed, fetched = threading.Event(), threading.Event()
+    put, fetch = store.put, store.fetch
+
+    def slow_put(blocks: Sequence[Block], **keep: Any) -> int:
+        filed.wait(HANG_GUARD_SECONDS)  # the filer is behind: nothing is stored until the test lets it go
+        return put(blocks, **keep)
+
+    def watched_fetch(*args: Any) -> Any:
+        found = fetch(*args)
+        fetched.set()
+        return found
+
+    monkeypatch.setattr(store, "put", slow_put)
+    monkeypatch.setattr(store, "fetch", watched_fetch)
+    first = await engine.complete(chat("What is the capital of France?"))  # ended; its blocks wait for the filer
+    fetched.clear()
+    second = asyncio.create_task(engine.complete(chat("What is the capital of France?")))
+    assert await asyncio.to_thread(fetched.wait, HANG_GUARD_SECONDS)  # it looked, and found nothing stored yet
+    filed.set()
+    assert (await second).usage.cached_tokens == first.usage.prompt_tokens - 1  # it waited for them
+
+
 def test_each_block_is_kept_by_the_longest_breakpoint_covering_it_and_writes_count_full_blocks_once() -> None:
     prepared = PreparedPrompt(
         token_ids=tuple(range(143)),
@@ -224,3 +252,38 @@ def test_a_breakpoint_cuts_the_request_after_its_message_part_or_tool() -> None:
     assert cut is not None and cut.tools == [{"name": "a"}] and cut.messages == []
     assert Breakpoint(300.0).cut(request) is None  # the whole prompt
     assert request.messages is not None and request.messages[0]["content"] == parts  # the request is left alone
+
+
+@pytest.mark.smollm2
+async def test_a_follow_up_turn_reuses_the_previous_prompt_and_answer_up_to_the_first_token_that_differs() -> None:
+    backend = HFBackend.load(EMBEDDED_MODEL)
+    geometry = backend.geometry
+    budget = TierConfig(256 << 20)
+    store = TieredStore.open(
+        None, BlockLayout(geometry.block_shape, geometry.dtype), StoreConfig(TierConfig(0), budget, TierConfig(0))
+    )
+    engine = Engine(backend, store)
+    try:
+        system = {"role": "system", "content": "You are a travel guide. " + "Answer in two sentences. " * 30}
+        turn = [system, {"role": "user", "content": "What should I see in Paris?"}]
+        greedy = SamplingParams(max_tokens=40, temperature=0.0)
+        first = await engine.generate(PromptRequest(greedy, messages=turn))
+        async with first:
+            answer = [chunk async for chunk in first]
+        await engine.wait_for_blocks()
+        reply = "".join(chunk.text for chunk in answer)
+        follow_up = [*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "And in Rome?"}]
+        second = await engine.generate(PromptRequest(greedy, messages=follow_up))
+        async with second:
+            reused = [chunk.token_id async for chunk in second]
+        # The cache holds the first prompt and its answer (all but the answer's last token): whole blocks and a tail.
+        held = [*first.prepared.token_ids, *(chunk.token_id for chunk in answer[:-1])]
+        expected = shared_prefix(held, second.prepared.token_ids)
+        assert second.cached_tokens == expected > len(first.prepared.token_ids)
+        assert expected % geometry.block_size  # not at a block boundary: reuse to the token
+        await asyncio.to_thread(store.flush)
+        alone = await engine.generate(PromptRequest(greedy, messages=follow_up))
+        async with alone:
+            assert [chunk.token_id async for chunk in alone] == reused and alone.cached_tokens == 0
+    finally:
+        await engine.close()

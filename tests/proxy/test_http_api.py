@@ -55,8 +55,7 @@ async def test_a_repeated_prompt_reports_cached_tokens_and_the_same_greedy_answe
     first = await (await client.post("/v1/chat/completions", json=chat())).json()
     second = await (await client.post("/v1/chat/completions", json=chat())).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < cached < second["usage"]["prompt_tokens"]
-    assert cached % 8 == 0
+    assert cached == second["usage"]["prompt_tokens"] - 1  # all but the last token, which starts the answer
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
 
 
@@ -273,12 +272,14 @@ async def test_the_prefill_the_cache_spares_is_estimated_and_summed(serve: Serve
     prompt = sum(u["prompt_tokens"] for u in usage)
     completion = sum(u["completion_tokens"] for u in usage)
     totals = report["totals"]
-    assert totals["cost_saved"] == pytest.approx(cached * (1.5 - 0.25) / 1e6)
-    assert totals["cost"] == pytest.approx(((prompt - cached) * 1.5 + cached * 0.25 + completion * 6) / 1e6)
+    assert totals["cost_saved"] == pytest.approx(cached * (1.5 - 0.25) / 1e6, abs=1e-6)  # rounded to 6 places
+    assert totals["cost"] == pytest.approx(((prompt - cached) * 1.5 + cached * 0.25 + completion * 6) / 1e6, abs=1e-6)
     assert report["tenants"][0]["cost_saved"] == totals["cost_saved"]
     metrics = await scrape(client)
-    assert sample(metrics, "prefixgate_cost_saved_total") == pytest.approx(totals["cost_saved"])
-    assert sample(metrics, "prefixgate_tenant_cost_saved_total", tenant="") == pytest.approx(totals["cost_saved"])
+    assert sample(metrics, "prefixgate_cost_saved_total") == pytest.approx(totals["cost_saved"], abs=1e-6)
+    assert sample(metrics, "prefixgate_tenant_cost_saved_total", tenant="") == pytest.approx(
+        totals["cost_saved"], abs=1e-6
+    )
     assert sample(metrics, "prefixgate_prefill_seconds_saved_total") == pytest.approx(saved, abs=1e-5)
     assert sample(metrics, "prefixgate_tenant_prefill_seconds_saved_total", tenant="") == pytest.approx(saved, abs=1e-5)
 
@@ -360,8 +361,8 @@ async def test_layout_moves_a_date_out_of_the_system_prompt_and_can_be_turned_of
     await client.post("/v1/chat/completions", json=dated("28", layout=False))
     off = await client.post("/v1/chat/completions", json=dated("30", layout=False))
     assert "x-prefixgate-layout-moved" not in off.headers
-    # In place, the date splits the prefix: only the blocks before it can match.
-    assert (await off.json())["usage"]["prompt_tokens_details"]["cached_tokens"] <= 16
+    # In place, the date splits the prefix: only the tokens before its day can match.
+    assert (await off.json())["usage"]["prompt_tokens_details"]["cached_tokens"] < 24
 
 
 async def test_an_error_after_streaming_began_is_an_sse_error_event(serve: Serve) -> None:

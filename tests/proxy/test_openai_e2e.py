@@ -145,6 +145,6 @@ def test_the_anthropic_client_example_reads_its_breakpoint_from_the_cache(start_
     ]
     (written, read, _), (written_again, read_again, other_again) = usage
     assert written >= 1000 and read == 0  # the system prompt, up to its breakpoint, computed and stored
-    assert written_again == 0 and read_again == written and other_again < 100
+    assert written_again == 0 and read_again >= written and other_again < 100  # and to the token past it
     answers = [line.removeprefix("A: ") for line in result.stdout.splitlines() if line.startswith("A: ")]
     assert len(answers) == 2 and all(answer.strip() for answer in answers)

@@ -10,7 +10,7 @@ import torch
 
 from prefixgate.errors import BlockMismatchError
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockKey, Keep, Tier, chain_keys
+from prefixgate.store import Block, BlockKey, Keep, Tier, chain_keys, tail_key
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
@@ -122,8 +122,20 @@ def test_a_block_of_another_shape_or_dtype_is_refused(make_tier: TierFactory) ->
     block = make_tier_blocks(1)[0]
     with pytest.raises(BlockMismatchError, match="this store holds"):
         tier.put(Block(block.key, block.tokens, block.kv.to(torch.float16)))
-    with pytest.raises(BlockMismatchError, match="covers 3 tokens"):
-        tier.put(Block(block.key, block.tokens[:3], block.kv))
+    for tokens in ((), (*block.tokens, 1)):
+        with pytest.raises(BlockMismatchError, match=f"covers {len(tokens)} tokens"):
+            tier.put(Block(block.key, tokens, block.kv))
+
+
+def test_a_tail_is_held_and_listed_after_its_parent_with_its_few_tokens(make_tier: TierFactory) -> None:
+    tier = make_tier(2)
+    parent = make_tier_blocks(1)[0]
+    tail = Block(tail_key(parent.key, (8, 9)), (8, 9), make_kv(7), parent=parent.key, created=5.0)
+    tier.put(parent)
+    tier.put(tail)
+    assert tier.children(parent.key) == [(tail.key, (8, 9))]
+    looked = tier.peek(tail.key)
+    assert looked is not None and looked.tokens == (8, 9) and torch.equal(looked.kv, tail.kv)
 
 
 def test_entries_describe_blocks_and_pins(make_tier: TierFactory) -> None:
@@ -158,6 +170,20 @@ def test_a_retention_is_kept_extended_and_never_shortened(make_tier: TierFactory
     assert not tier.retain(other.key, until)  # not held
     tier.put(other)
     assert tier.victim() == other.key  # the unretained block goes first, though it is newer
+
+
+def test_children_list_the_held_blocks_after_a_block_and_drop_removed_ones(make_tier: TierFactory) -> None:
+    tier = make_tier(4)
+    first, second, third = make_tier_blocks(3)
+    sibling = Block(BlockKey(b"\x07" * 16), (9, 9, 9, 9), make_kv(9), parent=first.key, created=5.0)
+    for block in (first, second, third, sibling):
+        tier.put(block)
+    assert tier.children(first.key) == [(second.key, second.tokens), (sibling.key, sibling.tokens)]
+    assert tier.children(second.key) == [(third.key, third.tokens)] and tier.children(third.key) == []
+    tier.remove(second.key)
+    assert tier.children(first.key) == [(sibling.key, sibling.tokens)]
+    tier.clear()
+    assert tier.children(first.key) == []
 
 
 def test_the_policy_names_the_least_recently_used_victim(make_tier: TierFactory) -> None:

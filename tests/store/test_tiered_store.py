@@ -70,7 +70,7 @@ def test_a_tensor_too_small_or_of_another_layout_to_fetch_into_is_refused(open_s
     ):
         with pytest.raises(ValueError, match=r"fetch\(out=\) needs a float32 tensor on cpu of shape \[2, 2, 2"):
             store.fetch(NS, PROMPT, wrong)
-    assert store.fetch(NS, PROMPT).cached_tokens == 20  # nothing lost
+    assert store.fetch(NS, PROMPT).cached_tokens == 23  # nothing lost: all but the last token
 
 
 def test_a_gap_ends_the_prefix_even_when_later_blocks_are_cached(open_store: StoreFactory) -> None:
@@ -83,9 +83,66 @@ def test_a_gap_ends_the_prefix_even_when_later_blocks_are_cached(open_store: Sto
 def test_a_whole_prompt_hit_leaves_its_last_token_to_compute(open_store: StoreFactory) -> None:
     store = open_store()
     store.put(make_blocks(store, PROMPT))
-    assert store.lookup(NS, PROMPT).cached_tokens == 20  # 24 tokens: the 6th block holds the last token
+    # 24 tokens: five whole blocks, and the first three tokens of the sixth, which holds the last one
+    match = store.lookup(NS, PROMPT)
+    assert match.cached_tokens == 23 and match.partial is not None and match.partial.tokens == 3
     assert store.lookup(NS, PROMPT + [1]).cached_tokens == 24
     assert store.lookup(NS, []).cached_tokens == 0
+
+
+@pytest.mark.parametrize("shared", [0, 1, 2, 3])  # 4-token blocks: none, one, a middle count, all but one
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_the_block_after_a_prefix_is_reused_up_to_the_first_token_that_differs(
+    open_store: StoreFactory, shared: int, where: str
+) -> None:
+    store = open_store(config(host=8 * BLOCK if where == "host" else 0))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks)
+    store.wait_for_writes()
+    other = PROMPT[: 8 + shared] + [7] * 8  # departs in block 2, after `shared` of its tokens
+    assert store.lookup(NS, other).cached_tokens == 8 + shared
+    layers, two, heads, _, head_dim = LAYOUT.shape
+    out = torch.full((layers, two, heads, 40, head_dim), -1.0)  # out: [layers, 2, kv_heads, capacity, head_dim]
+    hit = store.fetch(NS, other, out)
+    assert hit.cached_tokens == 8 + shared and hit.tokens_by_tier == {where: 8 + shared}
+    assert hit.partial is not None and (hit.partial.key, hit.partial.tokens) == (blocks[2].key, shared)
+    assert [kv.shape[3] for kv in hit.kv] == [4, 4] + ([shared] if shared else [])
+    assert torch.equal(out[:, :, :, 8 : 8 + shared], blocks[2].kv[:, :, :, :shared])
+    assert bool((out[:, :, :, 8 + shared :] == -1.0).all())  # never a position past the shared ones
+
+
+def test_the_continuation_sharing_the_most_tokens_is_chosen_and_the_last_token_is_left(
+    open_store: StoreFactory,
+) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT[:8] + [1, 2, 9, 9]))
+    store.put(make_blocks(store, PROMPT[:8] + [1, 2, 3, 9]))
+    store.put(make_blocks(store, PROMPT[:8] + [1, 9, 9, 9]))
+    assert store.lookup(NS, PROMPT[:8] + [1, 2, 3, 4, 5]).cached_tokens == 11
+    assert store.lookup(NS, PROMPT[:8] + [1, 2, 3]).cached_tokens == 10  # the last token starts the answer
+
+
+def test_a_partial_block_comes_only_from_the_same_namespace(open_store: StoreFactory) -> None:
+    store = open_store()
+    other = make_namespace(tenant="other")
+    store.put(make_blocks(store, PROMPT))
+    store.put(make_blocks(store, PROMPT[:8], other))  # the other tenant holds the first two blocks only
+    assert store.lookup(NS, PROMPT[:10] + [7]).cached_tokens == 10
+    match = store.lookup(other, PROMPT[:10] + [7])
+    assert match.cached_tokens == 8 and match.partial is None  # the same tokens after it are not its blocks
+
+
+def test_an_evicted_block_is_no_longer_found_after_its_parent(open_store: StoreFactory) -> None:
+    store = open_store(config(host=2 * BLOCK), folder=None)
+    blocks = make_blocks(store, PROMPT)
+    for block in blocks[:3]:
+        store.put([block])  # a tier of two: block 0 is evicted
+    (host,) = store.tiers
+    assert host.children(blocks[0].key) == [(blocks[1].key, blocks[1].tokens)]
+    store.put(blocks[3:4])  # evicts block 1
+    assert host.children(blocks[0].key) == []
+    assert host.children(blocks[1].key) == [(blocks[2].key, blocks[2].tokens)]  # held, though its parent is not
+    assert store.lookup(NS, PROMPT).cached_tokens == 0
 
 
 def test_inserts_go_to_the_top_tier_and_through_to_disk(open_store: StoreFactory) -> None:
@@ -146,7 +203,7 @@ def test_memory_only_store_works_without_a_folder(open_store: StoreFactory) -> N
     store = open_store(folder=None)
     store.put(make_blocks(store, PROMPT))
     assert [tier.name for tier in store.tiers] == ["host"]
-    assert store.fetch(NS, PROMPT).cached_tokens == 20
+    assert store.fetch(NS, PROMPT).cached_tokens == 23
 
 
 def test_cpu_defaults_do_not_hold_blocks_twice() -> None:
@@ -186,7 +243,7 @@ def test_ttl_expires_blocks_on_the_fake_clock(open_store: StoreFactory, clock: F
     store = open_store(config(ttl=60.0))
     store.put(make_blocks(store, PROMPT))
     clock.advance(59)
-    assert store.fetch(NS, PROMPT).cached_tokens == 20
+    assert store.fetch(NS, PROMPT).cached_tokens == 23
     clock.advance(2)
     assert store.fetch(NS, PROMPT).cached_tokens == 0
     assert [s.expirations for s in store.stats()] == [6, 6]
@@ -400,7 +457,7 @@ def test_a_long_listing_lets_lookups_through_between_its_chunks(
 
     monkeypatch.setattr(tiered_store.time, "sleep", between_chunks)
     assert len(store.entries()) == 2048
-    assert looked_up == [12] * (2048 // tiered_store._LISTING_CHUNK)
+    assert looked_up == [15] * (2048 // tiered_store._LISTING_CHUNK)
 
 
 def test_a_block_stored_during_a_listing_is_listed_in_no_tier_rather_than_one(open_store: StoreFactory) -> None:

@@ -239,7 +239,8 @@ async def test_a_warmed_prompt_hits_on_its_first_real_request(serve: Serve) -> N
     assert warmed["cached_tokens"] == (prompt - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
     assert await cached(client, chat(), "key-a") == warmed["cached_tokens"]
     again = await admin(client, "POST", "/admin/cache/warm", chat(tenant="acme"))
-    assert again["computed_tokens"] == 0 and again["cached_tokens"] == warmed["cached_tokens"]
+    # The request's answer completed the block holding the prompt's last tokens: all but the last one are cached now.
+    assert again["computed_tokens"] == 0 and again["cached_tokens"] == prompt - 1
     report = await admin(client, "GET", "/admin/cache")
     assert report["totals"]["requests"] == 1  # warming is no request
 
@@ -288,7 +289,7 @@ async def test_prefixes_lists_the_longest_chains_first(serve: Serve) -> None:
     assert len(chains) == 2 and chains[0]["tokens"] > chains[1]["tokens"]
     longest = chains[0]
     assert longest["complete"] and longest["tiers"] == {"host": longest["blocks"], "disk": longest["blocks"]}
-    assert longest["tokens"] == longest["blocks"] * BLOCK_SIZE
+    assert (longest["blocks"] - 1) * BLOCK_SIZE < longest["tokens"] <= longest["blocks"] * BLOCK_SIZE  # ends in a tail
     first = await admin(client, "GET", f"/admin/cache/entries/{longest['root']}")
     assert first["parent"] is None
 

@@ -35,7 +35,7 @@ async def test_explain_names_a_changing_timestamp_at_the_start_of_the_system_pro
     explained = await explain(client, stamped(NOW, layout=False))
     assert explained["layout"] == {"enabled": False, "moved": []}
     departure = explained["departure"]
-    assert 0 < explained["cached_tokens"] == departure["block"] * BLOCK_SIZE < explained["reusable_tokens"]
+    assert 0 < explained["cached_tokens"] == departure["token"] < explained["reusable_tokens"]
     assert (departure["message"], departure["role"]) == (0, "system")
     assert departure["nearest"] is not None and departure["token"] > departure["block"] * BLOCK_SIZE
     # The first differing token starts at or just before the first differing character, "5" of "10:05".
@@ -75,9 +75,9 @@ async def test_explain_of_a_repeated_prompt_is_a_full_hit_with_no_departure(serv
     await cached(client, chat())
     explained = await explain(client, chat())
     assert explained["departure"] is None
-    assert explained["cached_tokens"] == explained["reusable_tokens"] == (explained["prompt_tokens"] - 1) // 8 * 8
+    assert explained["cached_tokens"] == explained["reusable_tokens"] == explained["prompt_tokens"] - 1
     assert explained["cached_tokens_by_tier"] == {"host": explained["cached_tokens"], "disk": 0}
-    assert "every full block before the last token" in explained["summary"]
+    assert "every token before the last" in explained["summary"]
 
 
 async def test_explain_of_a_cold_prompt_says_nothing_cached_starts_like_it(serve: Serve) -> None:

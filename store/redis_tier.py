@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -47,7 +48,9 @@ from prefixgate.threads import use_threads
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "prefixgate:block:"  # every block key starts with it, so a flush touches only prefixgate's blocks
-SECRET_KEY = "prefixgate:secret"  # outside KEY_PREFIX: a flush keeps it
+NEXT_PREFIX = "prefixgate:next:"  # a block's list of the blocks written after it: its key and token ids, newest first
+SECRET_KEY = "prefixgate:secret"  # outside both prefixes: a flush keeps it
+NEXT_BLOCKS = 32  # entries kept in each list of blocks written after a block
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_SOCKET_TIMEOUT = 0.25
 DEFAULT_WRITE_TIMEOUT = 5.0
@@ -209,7 +212,7 @@ class RedisTier:
         per_trip = max(1, _TRIP_BYTES // self.layout.nbytes)
         values: list[object] = []
         for start in range(0, len(keys), per_trip):
-            replies = self._read("get", keys[start : start + per_trip])
+            replies = self._read("get", [_redis_key(key) for key in keys[start : start + per_trip]])
             if replies is None:
                 break
             values += replies
@@ -242,13 +245,46 @@ class RedisTier:
         """
         if not keys:
             return 0
-        replies = self._read("exists", keys)
+        replies = self._read("exists", [_redis_key(key) for key in keys])
         if replies is None:
             return 0
         run = 0
         while run < len(keys) and replies[run] == 1:
             run += 1
         return run
+
+    def continuations(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        """Return the blocks last written after `parent` (by any replica), with their token ids, the newest last.
+
+        One round trip, reading no block. Unverified: a listed block may have expired or been evicted since;
+        `get_block` confirms it.
+        """
+        replies = self._read("lrange", [_next_key(parent)], 0, NEXT_BLOCKS - 1)
+        entries = replies[0] if replies is not None else None
+        found: list[tuple[BlockKey, tuple[int, ...]]] = []
+        for entry in reversed(entries) if isinstance(entries, list) else ():
+            if isinstance(entry, bytes) and len(entry) > 16 and (len(entry) - 16) % 4 == 0:
+                found.append((BlockKey(entry[:16]), tuple(array("I", entry[16:]))))
+        return found
+
+    def get_block(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+        """Return one block read from Redis, verified (checksum, and its leading token ids equal to `tokens`).
+
+        A block that fails verification is deleted and counted as corrupt; one that is gone is None.
+        """
+        replies = self._read("get", [_redis_key(key)])
+        value = replies[0] if replies is not None else None
+        if not isinstance(value, bytes):
+            return None
+        try:
+            block, _ = decode(key, value, self.layout)
+        except CorruptBlockError as error:
+            self._drop_corrupt(key, str(error))
+            return None
+        if block.tokens[: len(tokens)] != tuple(tokens):
+            self._drop_corrupt(key, "tokens differ")
+            return None
+        return block
 
     def check(self) -> bool:
         """Return whether Redis answers now; within the backoff after a failure, False without asking.
@@ -319,8 +355,8 @@ class RedisTier:
         self._secret = secret
         return secret
 
-    def _read(self, command: str, keys: Sequence[BlockKey]) -> list[object] | None:
-        """Send `command` for each key in one pipeline; return the replies, or None when Redis does not answer.
+    def _read(self, command: str, names: Sequence[str], *args: object) -> list[object] | None:
+        """Send `command` for each name in one pipeline; return the replies, or None when Redis does not answer.
 
         One command per key, not one MGET: on a cluster the keys hash to different slots, and a pipeline sends each
         node its share at once, so it still costs one round trip.
@@ -328,8 +364,8 @@ class RedisTier:
         if not self._health.usable():
             return None
         pipe = self._reader.pipeline(transaction=False)
-        for key in keys:
-            getattr(pipe, command)(_redis_key(key))
+        for name in names:
+            getattr(pipe, command)(name, *args)
         try:
             replies = pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as error:
@@ -376,16 +412,18 @@ class RedisTier:
         if not self._health.usable():
             return 0
         deleted = 0
-        batch: list[bytes] = []
         try:
-            # UNLINK during SCAN is safe: SCAN still returns every key present for the whole scan.
-            for name in self._writer_client.scan_iter(match=f"{KEY_PREFIX}*", count=_SCAN_COUNT):
-                batch.append(name)
-                if len(batch) >= _SCAN_COUNT:
-                    deleted += self._writer_client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                deleted += self._writer_client.unlink(*batch)
+            for prefix in (KEY_PREFIX, NEXT_PREFIX):
+                counted = prefix == KEY_PREFIX  # the lists of what follows a block are not blocks
+                batch: list[bytes] = []
+                # UNLINK during SCAN is safe: SCAN still returns every key present for the whole scan.
+                for name in self._writer_client.scan_iter(match=f"{prefix}*", count=_SCAN_COUNT):
+                    batch.append(name)
+                    if len(batch) >= _SCAN_COUNT:
+                        deleted += self._writer_client.unlink(*batch) * counted
+                        batch.clear()
+                if batch:
+                    deleted += self._writer_client.unlink(*batch) * counted
         except (RedisError, OSError) as error:
             self._fault(error)
             return deleted
@@ -458,19 +496,29 @@ class RedisTier:
             self.counters.add("dropped_writes", sum(isinstance(op, _Put) for op in ops))
             return
         pipe = self._writer_client.pipeline(transaction=False)
-        sizes: list[int | None] = []  # per command sent: a put's encoded bytes, None for a delete
+        # Per command sent: a put's encoded bytes; None for a delete or for the list of what follows a block.
+        sizes: list[int | None] = []
         for op in ops:
             if isinstance(op, _Delete):
                 for key in op.keys:  # one command a key: on a cluster, each may live on another node
                     pipe.unlink(_redis_key(key))
                     sizes.append(None)
                 continue
-            lifetime = self._lifetime_ms(op.block.created, op.keep)
+            block = op.block
+            lifetime = self._lifetime_ms(block.created, op.keep)
             if lifetime is None:
                 continue  # its own lifetime ran out while it waited
-            value = encode(op.block, op.keep)
-            pipe.set(_redis_key(op.block.key), value, px=lifetime)
+            value = encode(block, op.keep)
+            pipe.set(_redis_key(block.key), value, px=lifetime)
             sizes.append(len(value))
+            if block.parent is not None:
+                # Listed after its parent, for a prompt that shares only its first tokens (see TieredStore). The list
+                # lives as long as its newest block; entries for blocks gone meanwhile fail `get_block` and are skipped.
+                following = _next_key(block.parent)
+                pipe.lpush(following, block.key.digest + array("I", block.tokens).tobytes())
+                pipe.ltrim(following, 0, NEXT_BLOCKS - 1)
+                pipe.pexpire(following, lifetime)
+                sizes += [None, None, None]
         if not sizes:
             return
         try:
@@ -573,6 +621,10 @@ def masked_url(url: str) -> str:
 
 def _redis_key(key: BlockKey) -> str:
     return f"{KEY_PREFIX}{key.hex()}"
+
+
+def _next_key(parent: BlockKey) -> str:
+    return f"{NEXT_PREFIX}{parent.hex()}"
 
 
 def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> redis.Redis | RedisCluster:

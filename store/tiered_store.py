@@ -293,7 +293,8 @@ class TieredStore:
         prompt's next ones (never its last token), or None when no block follows it.
 
         Only blocks under the same parent key qualify, and a parent key belongs to one namespace, so a tenant's
-        partial block comes from its own blocks. The first block of a prompt has no parent to look under.
+        partial block comes from its own blocks. The first block of a prompt has no parent to look under. The remote
+        tier is asked (one round trip) only when no local block has all the tokens wanted.
         """
         size = self.layout.block_size
         wanted = tuple(tokens[run * size : min((run + 1) * size, len(tokens) - 1)])
@@ -303,10 +304,9 @@ class TieredStore:
         for tier in self.tiers:
             with self._lock:
                 children = tier.children(keys[run - 1])[-_CONTINUATIONS:]
-            for key, block_tokens in reversed(children):
-                shared = shared_prefix(block_tokens, wanted)
-                if best is None or shared > best.tokens:
-                    best = PartialBlock(key, tier.name, shared, block_tokens)
+            best = _nearer(best, tier.name, children, wanted)
+        if self.remote is not None and (best is None or best.tokens < len(wanted)):
+            best = _nearer(best, self.remote.name, self.remote.continuations(keys[run - 1]), wanted)
         return best
 
     def _load_continuation(
@@ -318,15 +318,22 @@ class TieredStore:
             return partial, None
         size = self.layout.block_size
         start = run * size
+        shared = tuple(tokens[start : start + partial.tokens])
+        view = out[:, :, :, start : start + partial.tokens]  # view: [layers, 2, kv_heads, partial, head_dim]
+        if self.remote is not None and partial.tier == self.remote.name:
+            block = self.remote.get_block(partial.key, shared)  # verified there: checksum and tokens
+            if block is None:
+                return None, None
+            view.copy_(block.kv[:, :, :, : partial.tokens])
+            return partial, view
         tier = next(tier for tier in self.tiers if tier.name == partial.tier)
         # A memory tier's look is a view into its pool, valid while it does not change: read it under the lock. A disk
         # read is not held under it.
         with self._lock if not tier.persistent else contextlib.nullcontext():
             # Verified here: the positions used hold the prompt's tokens (and on disk the checksum matches).
             block = tier.peek(partial.key)
-            if block is None or block.tokens[: partial.tokens] != tuple(tokens[start : start + partial.tokens]):
+            if block is None or block.tokens[: partial.tokens] != shared:
                 return None, None
-            view = out[:, :, :, start : start + partial.tokens]  # view: [layers, 2, kv_heads, partial, head_dim]
             view.copy_(block.kv[:, :, :, : partial.tokens])
         tier.touch(partial.key)
         return partial, view
@@ -639,6 +646,20 @@ class TieredStore:
                 f"namespace is for {namespace.block_shape} {namespace.dtype} blocks, "
                 f"but this store holds {self.layout.shape} {self.layout.dtype_name}"
             )
+
+
+def _nearer(
+    best: PartialBlock | None,
+    tier: str,
+    candidates: Sequence[tuple[BlockKey, tuple[int, ...]]],
+    wanted: Sequence[int],
+) -> PartialBlock | None:
+    """Return whichever shares more leading tokens with `wanted`: `best`, or the newest best of `candidates`."""
+    for key, block_tokens in reversed(candidates):
+        shared = shared_prefix(block_tokens, wanted)
+        if best is None or shared > best.tokens:
+            best = PartialBlock(key, tier, shared, block_tokens)
+    return best
 
 
 def _open_remote(config: RemoteConfig | None, layout: BlockLayout, clock: Callable[[], float]) -> RedisTier | None:

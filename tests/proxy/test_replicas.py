@@ -78,6 +78,12 @@ def reusable_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK_SIZE
 
 
+def filed_blocks(prompt_tokens: int) -> int:
+    """Return the blocks a short answer leaves in Redis: the prompt's whole ones before its last token, then the one
+    holding that token and the answer (whole, or a tail)."""
+    return reusable_blocks(prompt_tokens) + 1
+
+
 def admin_cache(server: Server) -> dict[str, Any]:
     request = urllib.request.Request(f"{server.url}/admin/cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     with urllib.request.urlopen(request) as response:
@@ -96,11 +102,11 @@ def test_a_prompt_computed_on_one_replica_is_served_from_redis_by_another(
     first, second = start_replica(), start_replica()
     answer, cached, prompt_tokens = ask(first, "What does aisle 12 hold?")
     assert cached == 0
-    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    wait_for_blocks_in_redis(redis_server, filed_blocks(prompt_tokens))
 
     again, cached, _ = ask(second, "What does aisle 12 hold?")
     assert again == answer  # greedy, from blocks the first replica computed
-    assert cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE
+    assert cached == prompt_tokens - 1  # whole blocks, then the block after them to the prompt's last token
     remote = admin_cache(second)["remote"]
     assert remote["tokens_saved"] == cached and remote["available"]
     assert remote["entries"] >= reusable_blocks(prompt_tokens)
@@ -117,10 +123,10 @@ def test_a_prompt_computed_on_one_replica_is_served_from_redis_by_another(
 def test_tenants_share_nothing_across_replicas(start_replica: Start, redis_server: RedisServer) -> None:
     first, second = start_replica(*KEYS), start_replica(*KEYS)
     answer, _, prompt_tokens = ask(first, "How often is aisle 7 restocked?", api_key="acme-key")
-    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    wait_for_blocks_in_redis(redis_server, filed_blocks(prompt_tokens))
     assert ask(second, "How often is aisle 7 restocked?", api_key="globex-key")[1] == 0
     again, cached, _ = ask(second, "How often is aisle 7 restocked?", api_key="acme-key")
-    assert cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE and again == answer
+    assert cached == prompt_tokens - 1 and again == answer
 
 
 def test_replicas_go_on_without_redis_and_use_it_again_once_it_is_back(
@@ -128,7 +134,7 @@ def test_replicas_go_on_without_redis_and_use_it_again_once_it_is_back(
 ) -> None:
     first, second = start_replica(), start_replica()
     answer, _, prompt_tokens = ask(first, "What does aisle 3 hold?")
-    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    wait_for_blocks_in_redis(redis_server, filed_blocks(prompt_tokens))
     redis_server.stop()
 
     again, cached, _ = ask(second, "What does aisle 3 hold?")  # Redis is gone: computed here, and still answered
@@ -147,6 +153,6 @@ def test_replicas_go_on_without_redis_and_use_it_again_once_it_is_back(
         time.sleep(0.1)
     memo = "Night shift memo. " + HANDBOOK  # a prefix neither replica holds
     answer, _, prompt_tokens = ask(second, "What does aisle 5 hold?", system=memo)
-    wait_for_blocks_in_redis(redis_server, reusable_blocks(prompt_tokens))
+    wait_for_blocks_in_redis(redis_server, filed_blocks(prompt_tokens))
     again, cached, _ = ask(first, "What does aisle 5 hold?", system=memo)
-    assert again == answer and cached == reusable_blocks(prompt_tokens) * BLOCK_SIZE
+    assert again == answer and cached == prompt_tokens - 1

@@ -14,7 +14,7 @@ import redis
 import torch
 
 from prefixgate.errors import ConfigError, StoreError
-from prefixgate.store import Block, BlockKey, Keep, chain_keys, redis_tier
+from prefixgate.store import Block, BlockKey, Keep, chain_keys, redis_tier, tail_key
 from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier, masked_url
 from tests.services import PASSWORD, RedisServer
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
@@ -197,6 +197,22 @@ def test_a_retained_block_lives_in_redis_at_least_until_its_retention_ends(
     assert 3_600_000 < raw_redis.pttl(redis_key(block)) <= 7_200_000
     (found,) = tier.get_chain([block.key], block.tokens)
     assert found.keep == Keep(ttl=30.0, retain_until=clock.now + 7200.0)
+
+
+def test_blocks_written_after_a_block_are_listed_with_their_tokens_and_cleared_with_the_blocks(
+    open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
+) -> None:
+    tier = open_tier()
+    blocks = make_chain(3, clock.now)
+    tail = Block(tail_key(blocks[1].key, (7, 7)), (7, 7), make_kv(5), parent=blocks[1].key, created=clock.now)
+    write(tier, [*blocks, tail])
+    assert tier.continuations(blocks[1].key) == [(blocks[2].key, blocks[2].tokens), (tail.key, (7, 7))]
+    assert tier.continuations(blocks[2].key) == []
+    got = tier.get_block(tail.key, (7,))
+    assert got is not None and got.tokens == (7, 7) and torch.equal(got.kv, tail.kv)
+    assert tier.get_block(blocks[2].key, (9,)) is None and tier.counters.corrupt == 1  # not the tokens listed
+    assert tier.clear() == 3  # the blocks left; the lists of what follows them go too
+    assert raw_redis.keys("prefixgate:*") == []
 
 
 def test_clear_deletes_every_prefixgate_block_and_nothing_else(

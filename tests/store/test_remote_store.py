@@ -76,6 +76,19 @@ def test_a_chain_partly_local_continues_from_redis(open_replica: ReplicaFactory,
     assert all(torch.equal(got.kv, kv) for got, kv in zip(hit.blocks, computed, strict=True))
 
 
+def test_the_block_after_a_prefix_is_reused_to_the_token_from_what_another_replica_wrote(
+    open_replica: ReplicaFactory, redis_server: RedisServer
+) -> None:
+    first, second = open_replica((redis_server.url,)), open_replica((redis_server.url,))
+    computed = compute(first, TOKENS)
+    other = TOKENS[:10] + [999] * 8  # departs in block 2, after two of its four tokens
+    hit = second.fetch(make_namespace(), other)
+    assert hit.tiers == ("remote", "remote") and hit.cached_tokens == 10
+    assert hit.partial is not None and (hit.partial.tier, hit.partial.tokens) == ("remote", 2)
+    assert hit.partial_kv is not None and torch.equal(hit.partial_kv, computed[2][:, :, :, :2])
+    assert second.fetch(make_namespace("acme"), other).cached_tokens == 0  # another tenant's blocks: none
+
+
 def test_tenants_and_models_never_share_blocks_in_redis(
     open_replica: ReplicaFactory, redis_server: RedisServer, raw_redis: redis.Redis
 ) -> None:
@@ -154,7 +167,8 @@ def test_blocks_spread_over_a_redis_cluster_and_are_found_again(
     prompts = [[prompt * 1000 + t for t in TOKENS] for prompt in range(6)]
     computed = [compute(first, tokens) for tokens in prompts]
     held = [node.client().dbsize() for node in redis_cluster.nodes]
-    assert sum(held) == 6 * 4 + 1 and all(held)  # 24 blocks and the secret, on every node
+    # 24 blocks, the lists of what follows 18 of them (a prompt's first three), and the secret, on every node.
+    assert sum(held) == 6 * 4 + 6 * 3 + 1 and all(held)
     for tokens, kvs in zip(prompts, computed, strict=True):
         hit = second.fetch(make_namespace(), tokens)
         assert hit.tiers == ("remote",) * 4

@@ -109,6 +109,19 @@ class RemoteBlock:
     keep: Keep
 
 
+Continuation = tuple[BlockKey, tuple[int, ...]]
+"""A block listed after another in Redis: its key and token ids."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRun:
+    """The leading run of a chain in Redis, and the blocks listed after its last block, read in the same round trips."""
+
+    run: int  # blocks held (by `present`), or found and verified (by `get_chain`)
+    blocks: list[RemoteBlock]  # the verified blocks, from `get_chain`
+    following: list[Continuation]  # listed after the run's last block (or after `parent` when the run is empty)
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     block: Block
@@ -190,9 +203,17 @@ class RedisTier:
     # -- reading ------------------------------------------------------------------------------------------------
 
     def get_chain(
-        self, keys: Sequence[BlockKey], tokens: Sequence[int], out: torch.Tensor | None = None
-    ) -> list[RemoteBlock]:
-        """Return the leading run of `keys` held in Redis, verified against `tokens`.
+        self,
+        keys: Sequence[BlockKey],
+        tokens: Sequence[int],
+        out: torch.Tensor | None = None,
+        *,
+        parent: BlockKey | None = None,
+    ) -> RemoteRun:
+        """Return the leading run of `keys` held in Redis, verified against `tokens`, and what is listed after it.
+
+        `parent` is the block before `keys[0]`, if any. The lists of blocks written after each block asked for (and
+        after `parent`) come in the same round trips, so finding the block that continues the run costs none more.
 
         `tokens` are the token ids the keys cover, `block_size` per key. Block `i` is copied into
         `out[:, :, :, i * block_size : (i + 1) * block_size]` when `out` is given (`[layers, 2, kv_heads, tokens,
@@ -204,19 +225,21 @@ class RedisTier:
         trip for a long prefix would wait past the timeout and hold all of it in Redis's memory at once. Reading
         stops at the first round trip with a gap.
         """
-        if not keys:
-            return []
         size = self.layout.block_size
         if len(tokens) < len(keys) * size or (out is not None and out.shape[3] < len(keys) * size):
             raise RuntimeError(f"get_chain needs tokens, and an out, covering {len(keys)} blocks of {size} tokens")
         per_trip = max(1, _TRIP_BYTES // self.layout.nbytes)
         values: list[object] = []
+        lists: dict[BlockKey, list[Continuation]] = {}
         for start in range(0, len(keys), per_trip):
-            replies = self._read("get", [_redis_key(key) for key in keys[start : start + per_trip]])
+            trip = keys[start : start + per_trip]
+            asked = [*([parent] if parent is not None and start == 0 else []), *trip]
+            replies = self._read([("get", _redis_key(key)) for key in trip] + _lranges(asked))
             if replies is None:
                 break
-            values += replies
-            if not all(isinstance(value, bytes) for value in replies):
+            values += replies[: len(trip)]
+            lists |= {key: self._continuations(reply) for key, reply in zip(asked, replies[len(trip) :], strict=True)}
+            if not all(isinstance(value, bytes) for value in replies[: len(trip)]):
                 break
         found: list[RemoteBlock] = []
         for index, (key, value) in enumerate(zip(keys, values, strict=False)):
@@ -236,43 +259,42 @@ class RedisTier:
         self.counters.add("hits", len(found))
         if len(found) < len(keys):
             self.counters.add("misses")
-        return found
+        last = found[-1].block.key if found else parent
+        return RemoteRun(len(found), found, lists.get(last, []) if last is not None else [])
 
-    def present(self, keys: Sequence[BlockKey]) -> int:
-        """Return how many leading `keys` Redis holds, asked in one round trip, reading no value.
+    def present(self, keys: Sequence[BlockKey], *, parent: BlockKey | None = None) -> RemoteRun:
+        """Return how many leading `keys` Redis holds, and what is listed after them, in one round trip reading no
+        block.
 
-        Unverified, as a local tier's `contains` is: a lookup's estimate, which `get_chain` confirms.
+        Unverified, as a local tier's `contains` is: a lookup's estimate, which `get_chain` confirms. `parent` is the
+        block before `keys[0]`, if any.
         """
-        if not keys:
-            return 0
-        replies = self._read("exists", [_redis_key(key) for key in keys])
+        asked = [*([parent] if parent is not None else []), *keys]
+        replies = self._read([("exists", _redis_key(key)) for key in keys] + _lranges(asked))
         if replies is None:
-            return 0
+            return RemoteRun(0, [], [])
         run = 0
         while run < len(keys) and replies[run] == 1:
             run += 1
-        return run
+        last = keys[run - 1] if run else parent
+        lists = dict(zip(asked, replies[len(keys) :], strict=True))
+        return RemoteRun(run, [], self._continuations(lists[last]) if last is not None else [])
 
-    def continuations(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+    def continuations(self, parent: BlockKey) -> list[Continuation]:
         """Return the blocks last written after `parent` (by any replica), with their token ids, the newest last.
 
         One round trip, reading no block. Unverified: a listed block may have expired or been evicted since;
         `get_block` confirms it.
         """
-        replies = self._read("lrange", [_next_key(parent)], 0, NEXT_BLOCKS - 1)
-        entries = replies[0] if replies is not None else None
-        found: list[tuple[BlockKey, tuple[int, ...]]] = []
-        for entry in reversed(entries) if isinstance(entries, list) else ():
-            if isinstance(entry, bytes) and len(entry) > 16 and (len(entry) - 16) % 4 == 0:
-                found.append((BlockKey(entry[:16]), tuple(array("I", entry[16:]))))
-        return found
+        replies = self._read(_lranges([parent]))
+        return self._continuations(replies[0] if replies is not None else None)
 
     def get_block(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
         """Return one block read from Redis, verified (checksum, and its leading token ids equal to `tokens`).
 
         A block that fails verification is deleted and counted as corrupt; one that is gone is None.
         """
-        replies = self._read("get", [_redis_key(key)])
+        replies = self._read([("get", _redis_key(key))])
         value = replies[0] if replies is not None else None
         if not isinstance(value, bytes):
             return None
@@ -355,8 +377,9 @@ class RedisTier:
         self._secret = secret
         return secret
 
-    def _read(self, command: str, names: Sequence[str], *args: object) -> list[object] | None:
-        """Send `command` for each name in one pipeline; return the replies, or None when Redis does not answer.
+    def _read(self, commands: Sequence[tuple[Any, ...]]) -> list[object] | None:
+        """Send `(command, key, *args)` commands in one pipeline; return their replies, or None when Redis does not
+        answer.
 
         One command per key, not one MGET: on a cluster the keys hash to different slots, and a pipeline sends each
         node its share at once, so it still costs one round trip.
@@ -364,8 +387,8 @@ class RedisTier:
         if not self._health.usable():
             return None
         pipe = self._reader.pipeline(transaction=False)
-        for name in names:
-            getattr(pipe, command)(name, *args)
+        for command, *args in commands:
+            getattr(pipe, command)(*args)
         try:
             replies = pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as error:
@@ -373,6 +396,15 @@ class RedisTier:
             return None
         self._answered()
         return cast(list[object], replies)
+
+    @staticmethod
+    def _continuations(reply: object) -> list[Continuation]:
+        """Return the entries of a list of blocks written after a block, the newest last; a malformed one is skipped."""
+        found: list[Continuation] = []
+        for entry in reversed(reply) if isinstance(reply, list) else ():
+            if isinstance(entry, bytes) and len(entry) > 16 and (len(entry) - 16) % 4 == 0:
+                found.append((BlockKey(entry[:16]), tuple(array("I", entry[16:]))))
+        return found
 
     # -- writing ------------------------------------------------------------------------------------------------
 
@@ -625,6 +657,11 @@ def _redis_key(key: BlockKey) -> str:
 
 def _next_key(parent: BlockKey) -> str:
     return f"{NEXT_PREFIX}{parent.hex()}"
+
+
+def _lranges(keys: Sequence[BlockKey]) -> list[tuple[Any, ...]]:
+    """Return the commands that read the lists of blocks written after each of `keys`."""
+    return [("lrange", _next_key(key), 0, NEXT_BLOCKS - 1) for key in keys]
 
 
 def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> redis.Redis | RedisCluster:

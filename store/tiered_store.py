@@ -23,6 +23,7 @@ from prefixgate.store.redis_tier import (
     DEFAULT_QUEUE_BYTES,
     DEFAULT_SOCKET_TIMEOUT,
     DEFAULT_TTL,
+    Continuation,
     RedisStats,
     RedisTier,
     RedisUsage,
@@ -246,9 +247,13 @@ class TieredStore:
             if tier is None:
                 break
             tiers.append(tier.name)
+        following = None
         if self.remote is not None and len(tiers) < len(keys):
-            tiers += [self.remote.name] * self.remote.present(keys[len(tiers) :])
-        partial = self._continuation(keys, len(tiers), tokens)
+            start = len(tiers)
+            found = self.remote.present(keys[start:], parent=keys[start - 1] if start else None)
+            tiers += [self.remote.name] * found.run
+            following = found.following
+        partial = self._continuation(keys, len(tiers), tokens, following)
         return PrefixMatch(keys, tuple(tiers), self.layout.block_size, partial)
 
     def fetch(self, namespace: Namespace, tokens: Sequence[int], out: torch.Tensor | None = None) -> PrefixHit:
@@ -279,22 +284,34 @@ class TieredStore:
                 break
             blocks.append(found[0])
             tiers.append(found[1].name)
+        following = None
         if self.remote is not None and len(blocks) < len(keys):
             start = len(blocks)
-            remote = self.remote.get_chain(keys[start:], tokens[start * size :], out[:, :, :, start * size :])
-            self._promote_remote(remote)
-            blocks += [found.block for found in remote]
-            tiers += [self.remote.name] * len(remote)
-        partial, partial_kv = self._load_continuation(keys, len(blocks), tokens, out)
+            parent = keys[start - 1] if start else None
+            remote = self.remote.get_chain(
+                keys[start:], tokens[start * size :], out[:, :, :, start * size :], parent=parent
+            )
+            self._promote_remote(remote.blocks)
+            blocks += [found.block for found in remote.blocks]
+            tiers += [self.remote.name] * remote.run
+            following = remote.following
+        partial, partial_kv = self._load_continuation(keys, len(blocks), tokens, out, following)
         return PrefixHit(keys, tuple(tiers), size, partial, tuple(blocks), partial_kv)
 
-    def _continuation(self, keys: Sequence[BlockKey], run: int, tokens: Sequence[int]) -> PartialBlock | None:
+    def _continuation(
+        self,
+        keys: Sequence[BlockKey],
+        run: int,
+        tokens: Sequence[int],
+        following: Sequence[Continuation] | None = None,
+    ) -> PartialBlock | None:
         """Return the held block after the run's last whole block that shares the most leading tokens with the
         prompt's next ones (never its last token), or None when no block follows it.
 
         Only blocks under the same parent key qualify, and a parent key belongs to one namespace, so a tenant's
-        partial block comes from its own blocks. The first block of a prompt has no parent to look under. The remote
-        tier is asked (one round trip) only when no local block has all the tokens wanted.
+        partial block comes from its own blocks. The first block of a prompt has no parent to look under. Redis's list
+        of what follows comes as `following` when the run was read from there; else Redis is asked (one round trip)
+        only when no local block has all the tokens wanted.
         """
         size = self.layout.block_size
         wanted = tuple(tokens[run * size : min((run + 1) * size, len(tokens) - 1)])
@@ -305,15 +322,22 @@ class TieredStore:
             with self._lock:
                 children = tier.children(keys[run - 1])[-_CONTINUATIONS:]
             best = _nearer(best, tier.name, children, wanted)
-        if self.remote is not None and (best is None or best.tokens < len(wanted)):
-            best = _nearer(best, self.remote.name, self.remote.continuations(keys[run - 1]), wanted)
+        if self.remote is not None and following is None and (best is None or best.tokens < len(wanted)):
+            following = self.remote.continuations(keys[run - 1])
+        if self.remote is not None and following:
+            best = _nearer(best, self.remote.name, following, wanted)
         return best
 
     def _load_continuation(
-        self, keys: Sequence[BlockKey], run: int, tokens: Sequence[int], out: torch.Tensor
+        self,
+        keys: Sequence[BlockKey],
+        run: int,
+        tokens: Sequence[int],
+        out: torch.Tensor,
+        following: Sequence[Continuation] | None,
     ) -> tuple[PartialBlock | None, torch.Tensor | None]:
         """Copy the best partial block's shared positions into `out` after the run; return it and their view."""
-        partial = self._continuation(keys, run, tokens)
+        partial = self._continuation(keys, run, tokens, following)
         if partial is None or not partial.tokens:
             return partial, None
         size = self.layout.block_size
@@ -649,10 +673,7 @@ class TieredStore:
 
 
 def _nearer(
-    best: PartialBlock | None,
-    tier: str,
-    candidates: Sequence[tuple[BlockKey, tuple[int, ...]]],
-    wanted: Sequence[int],
+    best: PartialBlock | None, tier: str, candidates: Sequence[Continuation], wanted: Sequence[int]
 ) -> PartialBlock | None:
     """Return whichever shares more leading tokens with `wanted`: `best`, or the newest best of `candidates`."""
     for key, block_tokens in reversed(candidates):

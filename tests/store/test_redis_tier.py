@@ -83,7 +83,7 @@ def test_blocks_one_tier_writes_are_read_whole_by_another_on_the_same_url(
     write(writer, blocks)
     layers, two, heads, size, head_dim = LAYOUT.shape
     out = torch.zeros((layers, two, heads, 4 * size, head_dim), dtype=LAYOUT.dtype)  # out: one block to spare
-    found = reader.get_chain(keys_of(blocks), tokens_of(blocks), out)
+    found = reader.get_chain(keys_of(blocks), tokens_of(blocks), out).blocks
     assert [got.block.key for got in found] == keys_of(blocks)
     for index, (got, block) in enumerate(zip(found, blocks, strict=True)):
         assert torch.equal(got.block.kv, block.kv)
@@ -92,26 +92,30 @@ def test_blocks_one_tier_writes_are_read_whole_by_another_on_the_same_url(
         slot = out[:, :, :, index * size : (index + 1) * size]
         assert got.block.kv.data_ptr() == slot.data_ptr() and torch.equal(slot, block.kv)  # copied into place
     assert not out[:, :, :, 3 * size :].any()
-    standalone = reader.get_chain(keys_of(blocks), tokens_of(blocks))
+    standalone = reader.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [torch.equal(got.block.kv, block.kv) for got, block in zip(standalone, blocks, strict=True)] == [True] * 3
     stats = reader.stats()
     assert (stats.hits, stats.misses, stats.corrupt, stats.errors) == (6, 0, 0, 0)
     assert writer.stats().writes == 3 and writer.stats().written_bytes > 3 * BLOCK
 
 
-def test_a_chain_is_read_and_looked_up_in_one_round_trip_each(
+def test_a_chain_and_what_follows_it_are_read_and_looked_up_in_one_round_trip_each(
     open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
 ) -> None:
     writer, reader = open_tier(), open_tier()
     blocks = make_chain(6, clock.now)
-    write(writer, blocks[:5])  # the last is missing: the read asks for it too, in the same round trip
-    assert len(reader.get_chain(keys_of(blocks[:1]), tokens_of(blocks[:1]))) == 1  # opens the reader's connection
+    tail = Block(tail_key(blocks[4].key, (7, 7)), (7, 7), make_kv(5), parent=blocks[4].key, created=clock.now)
+    write(writer, [*blocks[:5], tail])  # the last block is missing: the read asks for it too, in the same round trip
+    assert len(reader.get_chain(keys_of(blocks[:1]), tokens_of(blocks[:1])).blocks) == 1  # opens its connection
+    following = [(tail.key, tail.tokens)]  # listed after the run's last block
     for read, found in (
-        (lambda: len(reader.get_chain(keys_of(blocks), tokens_of(blocks))), 5),
-        (lambda: reader.present(keys_of(blocks)), 5),
+        (lambda: reader.get_chain(keys_of(blocks), tokens_of(blocks)), (5, following)),
+        (lambda: reader.present(keys_of(blocks)), (5, following)),
+        (lambda: reader.present(keys_of(blocks[1:]), parent=blocks[0].key), (4, following)),
     ):
         raw_redis.config_resetstat()
-        assert read() == found
+        run = read()
+        assert (run.run, run.following) == found
         # The server counts each time it reads from a client: the test's own INFO is one, the tier's pipeline one.
         assert raw_redis.info("stats")["total_reads_processed"] == 2
     calls = {
@@ -119,7 +123,7 @@ def test_a_chain_is_read_and_looked_up_in_one_round_trip_each(
         for name, stats in raw_redis.info("commandstats").items()
         if not name.startswith(("cmdstat_config", "cmdstat_info"))  # this test's own: CONFIG RESETSTAT, INFO
     }
-    assert calls == {"cmdstat_exists": 6}  # the lookup reads no value
+    assert calls == {"cmdstat_exists": 5, "cmdstat_lrange": 6}  # the lookup reads no block
 
 
 def test_a_long_chain_is_read_in_round_trips_of_bounded_size_until_a_gap(
@@ -131,7 +135,7 @@ def test_a_long_chain_is_read_in_round_trips_of_bounded_size_until_a_gap(
     write(writer, blocks[:5])
     assert reader.check()  # opens the reader's connection
     raw_redis.config_resetstat()
-    found = reader.get_chain(keys_of(blocks), tokens_of(blocks))
+    found = reader.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [got.block.key for got in found] == keys_of(blocks[:5])
     assert raw_redis.info("stats")["total_reads_processed"] == 3 + 1  # blocks 0-1, 2-3, 4-5 (a gap: done); INFO
     assert raw_redis.info("commandstats")["cmdstat_get"]["calls"] == 6
@@ -143,7 +147,7 @@ def test_a_chain_read_ends_at_the_first_missing_block_and_counts_one_miss(
     tier = open_tier()
     blocks = make_chain(4, clock.now)
     write(tier, blocks[:2] + blocks[3:])
-    found = tier.get_chain(keys_of(blocks), tokens_of(blocks))
+    found = tier.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [got.block.key for got in found] == keys_of(blocks[:2])
     assert (tier.counters.hits, tier.counters.misses) == (2, 1)
 
@@ -161,7 +165,7 @@ def test_a_value_that_fails_verification_is_a_miss_counted_corrupt_and_deleted(
     if damage == "a flipped payload byte":
         damaged[-1] ^= 0xFF
     raw_redis.set(redis_key(blocks[1]), bytes(damaged), keepttl=True)
-    found = tier.get_chain(keys_of(blocks), tokens_of(blocks))
+    found = tier.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [got.block.key for got in found] == keys_of(blocks[:1])
     assert (tier.counters.corrupt, tier.counters.hits, tier.counters.misses) == (1, 1, 1)
     tier.flush()  # the delete goes through the writer
@@ -195,7 +199,7 @@ def test_a_retained_block_lives_in_redis_at_least_until_its_retention_ends(
     assert tier.put(block, Keep(ttl=30.0, retain_until=clock.now + 7200.0))
     tier.flush()
     assert 3_600_000 < raw_redis.pttl(redis_key(block)) <= 7_200_000
-    (found,) = tier.get_chain([block.key], block.tokens)
+    (found,) = tier.get_chain([block.key], block.tokens).blocks
     assert found.keep == Keep(ttl=30.0, retain_until=clock.now + 7200.0)
 
 
@@ -283,28 +287,28 @@ def test_a_stopped_redis_answers_misses_and_the_tier_serves_again_after_its_back
     blocks = make_chain(2, clock.now)
     keys, tokens = keys_of(blocks), tokens_of(blocks)
     write(tier, blocks)
-    assert len(tier.get_chain(keys, tokens)) == 2
+    assert len(tier.get_chain(keys, tokens).blocks) == 2
 
     redis_server.stop()
-    assert tier.get_chain(keys, tokens) == []
+    assert tier.get_chain(keys, tokens).blocks == []
     assert (tier.counters.errors, tier.counters.misses, tier.available) == (1, 1, False)
     assert not tier.put(blocks[0])  # not queued for a Redis that is down
     assert tier.counters.dropped_writes == 1
     assert tier.usage() is None
     clock.advance(1.0)  # the first backoff is over: the next read tries Redis, fails, and doubles the backoff
-    assert tier.get_chain(keys, tokens) == []
+    assert tier.get_chain(keys, tokens).blocks == []
     assert tier.counters.errors == 2
     clock.advance(1.0)
-    assert tier.get_chain(keys, tokens) == []
+    assert tier.get_chain(keys, tokens).blocks == []
     assert tier.counters.errors == 2  # within the backoff: Redis is not asked
 
     redis_server.start()  # on the same port, empty
-    assert tier.get_chain(keys, tokens) == [] and tier.counters.errors == 2  # still within the backoff
+    assert tier.get_chain(keys, tokens).blocks == [] and tier.counters.errors == 2  # still within the backoff
     clock.advance(1.0)
-    assert tier.get_chain(keys, tokens) == []  # Redis answers: nothing there after the restart
+    assert tier.get_chain(keys, tokens).blocks == []  # Redis answers: nothing there after the restart
     assert tier.available and tier.counters.errors == 2
     write(tier, blocks)
-    assert [got.block.key for got in tier.get_chain(keys, tokens)] == keys
+    assert [got.block.key for got in tier.get_chain(keys, tokens).blocks] == keys
 
     assert "answers again" in caplog.text and masked_url(redis_server.url) in caplog.text
     assert PASSWORD not in caplog.text

@@ -118,6 +118,8 @@ class PreparedPrompt:
     def cache_writes(self, cached_tokens: int, block_size: int) -> dict[float, int]:
         """Return the prompt tokens computed now and stored at a breakpoint, by the seconds they are kept."""
         writes: dict[float, int] = {}
+        if not self.retained:
+            return writes  # most requests: no need to walk their blocks
         for block in range(cached_tokens // block_size, len(self.token_ids) // block_size):
             seconds = self.retention(block, block_size)
             if seconds is not None:  # a block partly read from the cache counts only the rest
@@ -425,6 +427,8 @@ class Engine:
 
     def _retain(self, prepared: PreparedPrompt, blocks: int) -> None:
         """Extend the retention of the prompt's first `blocks` blocks (those held), as its breakpoints ask."""
+        if not prepared.retained:
+            return  # on every fetch: most requests ask for no retention
         by_seconds: dict[float, list[BlockKey]] = {}
         for index in range(blocks):
             seconds = prepared.retention(index, self.backend.geometry.block_size)

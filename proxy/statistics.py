@@ -360,6 +360,7 @@ def _remote_metrics(remote: RedisStats) -> Iterator[Metric]:
         ("promotions", "Blocks found in Redis and kept in this server's top tier."),
         ("corrupt", "Blocks found in Redis whose tokens or checksum did not match, deleted there."),
         ("errors", "Requests to Redis that failed or timed out."),
+        ("round_trips", "Reads from Redis, each one round trip: a chain of blocks streams in one."),
         ("writes", "Blocks this server wrote to Redis."),
         ("written_bytes", "Bytes this server wrote to Redis."),
         ("dropped_writes", "Blocks not written to Redis: its writer too far behind, Redis down or out of memory."),

@@ -98,16 +98,18 @@ def decode(
     header, offset = read_header(value)
     if header.shape != layout.shape or header.dtype != layout.dtype_name:
         raise CorruptBlockError(f"block is {header.shape} {header.dtype}, expected {layout.shape} {layout.dtype_name}")
-    payload = value[offset:]
+    payload = memoryview(value)[offset:]
     if len(payload) != layout.nbytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {layout.nbytes}")
-    # bytearray() is the one copy out of the (possibly memory-mapped) value; the tensor then owns its bytes.
-    # The checksum reads the copy, not the map: it is still in the CPU cache, so memory is read once, not twice.
-    owned = bytearray(payload)
+    if out is None or payload.readonly:
+        # The one copy out of a value the tensor cannot use or keep (memory-mapped, or a buffer the caller reuses);
+        # the checksum then reads the copy, still in the CPU cache, so memory is read once, not twice. A writable
+        # value copied into `out` anyway is checked and copied where it lies.
+        payload = memoryview(bytearray(payload))
     tokens = np.asarray(header.tokens, dtype=np.uint32).tobytes()
-    if checksum(tokens, owned) != header.checksum:
+    if checksum(tokens, payload) != header.checksum:
         raise CorruptBlockError("checksum mismatch")
-    data = torch.frombuffer(owned, dtype=torch.uint8)
+    data = torch.frombuffer(payload, dtype=torch.uint8)
     kv = data.view(dtype_from_name(header.dtype)).reshape(header.shape)  # kv: [layers, 2, kv_heads, block, head_dim]
     if out is not None:
         kv = out.copy_(kv)

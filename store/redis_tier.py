@@ -4,7 +4,7 @@ It stands beside `Tier`, not under it. A `Tier` holds blocks within a byte budge
 lets its policy choose victims that the store then demotes. None of that fits Redis: it holds prefixgate's blocks
 among other data, under its own `maxmemory` and eviction policy, and replicas come and go while sharing it, so no
 replica could keep an order of its keys that the others agree with, and listing them is a full SCAN. So this tier
-does what Redis does well and nothing else: a chain of blocks read in few round trips, write-through in the
+does what Redis does well and nothing else: a chain of blocks streamed in one round trip, write-through in the
 background, deletes, and a flush. Expiry is Redis's own: every block is written with a TTL.
 
 Faults never reach callers. A connection error or timeout answers a miss, counts in `errors`, and marks the tier
@@ -35,13 +35,14 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from prefixgate.errors import ConfigError, StoreError
 from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import CorruptBlockError, decode, encode
 from prefixgate.store.keys import BlockKey
+from prefixgate.store.redis_stream import CommandStream, OversizeValue, ReplyError
 from prefixgate.store.tier import TierCounters
 from prefixgate.threads import use_threads
 
@@ -58,8 +59,8 @@ _SECRET_BYTES = 32
 DEFAULT_QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
 _BATCH_OPS = 64  # operations per pipeline
 _BATCH_BYTES = 16 << 20  # tensor bytes per pipeline: each is encoded in memory before it is sent
-_READ_BYTES = 1 << 20  # bytes a connection reads from its socket at once
-_TRIP_BYTES = 64 << 20  # blocks read in one round trip: Redis waits about 35 ms to build their replies
+_AHEAD_BYTES = 4 << 20  # blocks a chain read asks for ahead of the one it reads: enough to keep the link busy
+_HEADER_BYTES = 64 << 10  # room for a value's header in the buffer a block is read into; a larger value is corrupt
 _SCAN_COUNT = 1000  # keys per SCAN step, and per UNLINK
 _MAX_DOUBLINGS = 30
 
@@ -69,6 +70,7 @@ class RedisCounters(TierCounters):
     """The tier counters, plus what only a networked tier has."""
 
     errors: int = 0  # failed round trips: connection errors, timeouts, replies other than OOM
+    round_trips: int = 0  # reads: each waits one round trip for its first reply, and its commands keep the link busy
     writes: int = 0  # blocks Redis accepted
     written_bytes: int = 0  # their encoded bytes
 
@@ -86,6 +88,7 @@ class RedisStats:
     corrupt: int
     dropped_writes: int  # writer too far behind, Redis unavailable, or Redis out of memory
     errors: int
+    round_trips: int  # of reads
     writes: int
     written_bytes: int
     queued_bytes: int  # tensor bytes waiting for the writer now
@@ -115,7 +118,7 @@ Continuation = tuple[BlockKey, tuple[int, ...]]
 
 @dataclass(frozen=True, slots=True)
 class RemoteRun:
-    """The leading run of a chain in Redis, and the blocks listed after its last block, read in the same round trips."""
+    """The leading run of a chain in Redis, and the blocks listed after its last block, read in the same round trip."""
 
     run: int  # blocks held (by `present`), or found and verified (by `get_chain`)
     blocks: list[RemoteBlock]  # the verified blocks, from `get_chain`
@@ -139,10 +142,10 @@ _Op = _Put | _Delete | None  # None stops the writer
 class RedisTier:
     """Blocks in Redis as codec values under `prefixgate:block:<key hex>`, each expiring by its own TTL.
 
-    Reads run in the caller's thread, one round trip per 64 MiB of a chain. Writes go through one background thread,
-    pipelined in
-    batches: a block is visible to readers once the writer has sent it (`flush` waits for that). At most
-    `queue_bytes` of blocks wait for the writer; a `put` beyond that is dropped and counted.
+    Reads run in the caller's thread, one round trip each (a chain's blocks stream, see `get_chain`). Writes go
+    through one background thread, pipelined in batches: a block is visible to readers once the writer has sent it
+    (`flush` waits for that). At most `queue_bytes` of blocks wait for the writer; a `put` beyond that is dropped
+    and counted.
 
     `stats` is cheap and makes no round trip, so it reports no number of blocks: Redis expires and evicts them on
     its own, so no count kept here stays true, and DBSIZE counts every key of the database, not prefixgate's.
@@ -183,6 +186,8 @@ class RedisTier:
         # Two clients: lookups wait at most `socket_timeout`, so a dead Redis answers a miss fast; the writer sends
         # whole blocks, which take longer than that on a slow link, and nobody waits for it.
         self._reader = _client(urls, socket_timeout, socket_timeout)
+        self._slots_stale = False  # a cluster's map of slots to nodes: read it again before the next read
+        self._value_bytes = layout.nbytes + _HEADER_BYTES + 2  # a block's value and its reply's CRLF
         self._writer_client = _client(urls, socket_timeout, write_timeout)
         self._lock = threading.Lock()
         # Blocks queued and not yet sent hold their tensors (on a GPU, device memory): at most this many.
@@ -213,49 +218,45 @@ class RedisTier:
         """Return the leading run of `keys` held in Redis, verified against `tokens`, and what is listed after it.
 
         `parent` is the block before `keys[0]`, if any. The lists of blocks written after each block asked for (and
-        after `parent`) come in the same round trips, so finding the block that continues the run costs none more.
+        after `parent`) come in the same round trip, so finding the block that continues the run costs none more.
 
         `tokens` are the token ids the keys cover, `block_size` per key. Block `i` is copied into
         `out[:, :, :, i * block_size : (i + 1) * block_size]` when `out` is given (`[layers, 2, kv_heads, tokens,
         head_dim]`, as `TieredStore.fetch` lends it), so each returned tensor is a view into it. The run ends at the
         first block missing or failing verification; a failing one is deleted from Redis and counted as corrupt.
 
-        The keys are asked for in round trips of at most `_TRIP_BYTES` of blocks, one for most chains. Redis builds
-        every reply of a round trip before it sends the first byte (about 1.5 ms per 3 MB block here), so one round
-        trip for a long prefix would wait past the timeout and hold all of it in Redis's memory at once. Reading
-        stops at the first round trip with a gap.
+        The blocks stream: `_AHEAD_BYTES` of them are asked for beyond the one being read, the next as each is read,
+        so the read waits one round trip for its first block and none after, while Redis builds each reply as the
+        one before it leaves (a pipeline of every block would have Redis build them all in its memory first: at 4k
+        tokens nearly three times slower here). Each value is read into one reused buffer, verified there and copied
+        into place.
         """
         size = self.layout.block_size
         if len(tokens) < len(keys) * size or (out is not None and out.shape[3] < len(keys) * size):
             raise RuntimeError(f"get_chain needs tokens, and an out, covering {len(keys)} blocks of {size} tokens")
-        per_trip = max(1, _TRIP_BYTES // self.layout.nbytes)
-        values: list[object] = []
-        lists: dict[BlockKey, list[Continuation]] = {}
-        for start in range(0, len(keys), per_trip):
-            trip = keys[start : start + per_trip]
-            asked = [*([parent] if parent is not None and start == 0 else []), *trip]
-            replies = self._read([("get", _redis_key(key)) for key in trip] + _lranges(asked))
-            if replies is None:
-                break
-            values += replies[: len(trip)]
-            lists |= {key: self._continuations(reply) for key, reply in zip(asked, replies[len(trip) :], strict=True)}
-            if not all(isinstance(value, bytes) for value in replies[: len(trip)]):
-                break
+        asked = [*([parent] if parent is not None else []), *keys]
+        ahead = max(1, _AHEAD_BYTES // self.layout.nbytes)  # blocks asked for beyond the one being read
         found: list[RemoteBlock] = []
-        for index, (key, value) in enumerate(zip(keys, values, strict=False)):
-            if not isinstance(value, bytes):  # None: not there; an error reply: its node did not answer
-                break
-            span = slice(index * size, (index + 1) * size)
-            slot = out[:, :, :, span] if out is not None else None  # slot: [layers, 2, kv_heads, block, head_dim]
-            try:
-                block, header = decode(key, value, self.layout, slot)
-            except CorruptBlockError as error:
-                self._drop_corrupt(key, str(error))
-                break
-            if block.tokens != tuple(tokens[span]):
-                self._drop_corrupt(key, "tokens differ")
-                break
-            found.append(RemoteBlock(block, header.keep))
+        lists: dict[BlockKey, list[Continuation]] = {}
+
+        def read(stream: CommandStream) -> None:
+            for command in _lranges(asked):
+                stream.send(*command)
+            for key in keys[:ahead]:
+                stream.send("GET", _redis_key(key))
+            lists.update({key: self._continuations(stream.read()) for key in asked})
+            buffer = bytearray(self._value_bytes)
+            for index, key in enumerate(keys):
+                if index + ahead < len(keys):  # on its way while this block arrives: the link never idles
+                    stream.send("GET", _redis_key(keys[index + ahead]))
+                value = stream.read_into(buffer)
+                span = slice(index * size, (index + 1) * size)
+                block = self._verified(key, value, tokens[span], out[:, :, :, span] if out is not None else None)
+                if block is None:
+                    return
+                found.append(block)
+
+        self._talk(read)
         self.counters.add("hits", len(found))
         if len(found) < len(keys):
             self.counters.add("misses")
@@ -270,7 +271,7 @@ class RedisTier:
         block before `keys[0]`, if any.
         """
         asked = [*([parent] if parent is not None else []), *keys]
-        replies = self._read([("exists", _redis_key(key)) for key in keys] + _lranges(asked))
+        replies = self._ask([("EXISTS", _redis_key(key)) for key in keys] + _lranges(asked))
         if replies is None:
             return RemoteRun(0, [], [])
         run = 0
@@ -286,7 +287,7 @@ class RedisTier:
         One round trip, reading no block. Unverified: a listed block may have expired or been evicted since;
         `get_block` confirms it.
         """
-        replies = self._read(_lranges([parent]))
+        replies = self._ask(_lranges([parent]))
         return self._continuations(replies[0] if replies is not None else None)
 
     def get_block(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
@@ -294,19 +295,16 @@ class RedisTier:
 
         A block that fails verification is deleted and counted as corrupt; one that is gone is None.
         """
-        replies = self._read([("get", _redis_key(key))])
-        value = replies[0] if replies is not None else None
-        if not isinstance(value, bytes):
-            return None
-        try:
-            block, _ = decode(key, value, self.layout)
-        except CorruptBlockError as error:
-            self._drop_corrupt(key, str(error))
-            return None
-        if block.tokens[: len(tokens)] != tuple(tokens):
-            self._drop_corrupt(key, "tokens differ")
-            return None
-        return block
+        found: list[RemoteBlock] = []
+
+        def read(stream: CommandStream) -> None:
+            stream.send("GET", _redis_key(key))
+            block = self._verified(key, stream.read_into(bytearray(self._value_bytes)), tokens)
+            if block is not None:
+                found.append(block)
+
+        self._talk(read)
+        return found[0].block if found else None
 
     def check(self) -> bool:
         """Return whether Redis answers now; within the backoff after a failure, False without asking.
@@ -377,25 +375,68 @@ class RedisTier:
         self._secret = secret
         return secret
 
-    def _read(self, commands: Sequence[tuple[Any, ...]]) -> list[object] | None:
-        """Send `(command, key, *args)` commands in one pipeline; return their replies, or None when Redis does not
-        answer.
+    def _talk(self, conversation: Callable[[CommandStream], None]) -> None:
+        """Run `conversation` on a stream of commands to Redis; a fault ends it early and is counted.
 
-        One command per key, not one MGET: on a cluster the keys hash to different slots, and a pipeline sends each
-        node its share at once, so it still costs one round trip.
+        Nothing is asked while Redis is marked unavailable. After a fault or a cluster's MOVED reply, the cluster's
+        map of slots to nodes is read again before the next conversation.
         """
         if not self._health.usable():
-            return None
-        pipe = self._reader.pipeline(transaction=False)
-        for command, *args in commands:
-            getattr(pipe, command)(*args)
+            return
+        stream = CommandStream(self._reader)
+        self.counters.add("round_trips")
         try:
-            replies = pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as error:
+            if self._slots_stale and isinstance(self._reader, RedisCluster):
+                self._reader.nodes_manager.initialize()
+            self._slots_stale = False
+            with stream:
+                conversation(stream)
+        except (
+            RedisError,
+            RedisClusterException,
+            OSError,
+        ) as error:  # the last: no node serves a slot, or none answers
             self._fault(error)
-            return None
+            return
+        finally:
+            self._slots_stale |= stream.moved
         self._answered()
-        return cast(list[object], replies)
+
+    def _ask(self, commands: Sequence[tuple[Any, ...]]) -> list[object] | None:
+        """Send `(command, key, *args)` commands at once; return their small replies, or None when Redis did not
+        answer."""
+        replies: list[object] = []
+
+        def ask(stream: CommandStream) -> None:
+            for command in commands:
+                stream.send(*command)
+            replies.extend(stream.read() for _ in commands)
+
+        self._talk(ask)
+        return replies if len(replies) == len(commands) else None
+
+    def _verified(
+        self,
+        key: BlockKey,
+        value: memoryview | ReplyError | None,
+        tokens: Sequence[int],
+        out: torch.Tensor | None = None,
+    ) -> RemoteBlock | None:
+        """Return the block in a GET reply, verified and copied into `out` when given; None when it is not there,
+        its node did not answer it, or it fails verification (then it is deleted and counted corrupt)."""
+        if isinstance(value, OversizeValue):
+            self._drop_corrupt(key, str(value))
+        if not isinstance(value, memoryview):
+            return None
+        try:
+            block, header = decode(key, value, self.layout, out)
+        except CorruptBlockError as error:
+            self._drop_corrupt(key, str(error))
+            return None
+        if block.tokens[: len(tokens)] != tuple(tokens):
+            self._drop_corrupt(key, "tokens differ")
+            return None
+        return RemoteBlock(block, header.keep)
 
     @staticmethod
     def _continuations(reply: object) -> list[Continuation]:
@@ -481,6 +522,7 @@ class RedisTier:
             corrupt=counters.corrupt,
             dropped_writes=counters.dropped_writes,
             errors=counters.errors,
+            round_trips=counters.round_trips,
             writes=counters.writes,
             written_bytes=counters.written_bytes,
             queued_bytes=queued_bytes,
@@ -595,6 +637,7 @@ class RedisTier:
     def _fault(self, error: Exception) -> None:
         """Count a failed round trip and mark Redis unavailable until the backoff is over."""
         self.counters.add("errors")
+        self._slots_stale = True  # a cluster's node may have failed over to another
         delay = self._health.failed()
         if delay is not None:  # None: a round trip begun before an earlier failure, already logged
             log.warning(
@@ -676,8 +719,6 @@ def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> re
         # with backoff, since 6.0) would turn one lookup against a dead Redis into seconds.
         "retry": Retry(NoBackoff(), 0),
         "client_name": "prefixgate",
-        # A block is megabytes: read replies in large pieces (redis-py's 64 KiB takes twice as long for a chain).
-        "socket_read_size": _READ_BYTES,
     }
     shown = ", ".join(masked_url(url) for url in urls)
     try:

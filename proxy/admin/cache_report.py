@@ -156,6 +156,7 @@ def _remote(tier: RedisStats, usage: RedisUsage | None, stats: EngineStatsSnapsh
         "hit_tokens": tier.hits * block_size,
         "tokens_saved": stats.cached_tokens.get(tier.name, 0),
         "errors": tier.errors,
+        "round_trips": tier.round_trips,
         "writes": tier.writes,
         "written_bytes": tier.written_bytes,
         "queued_bytes": tier.queued_bytes,

@@ -76,6 +76,8 @@ async def test_the_banner_health_metrics_and_admin_show_the_remote_tier(
     metrics = await scrape(client)
     assert sample(metrics, "prefixgate_remote_writes_total") == held
     assert sample(metrics, "prefixgate_remote_written_bytes_total") > 0
+    assert remote["round_trips"] >= 1  # the request's lookup asked Redis for what no local tier held
+    assert sample(metrics, "prefixgate_remote_round_trips_total") == remote["round_trips"]
 
     flushed = await client.post("/admin/cache/flush", json={"tier": "remote"}, headers=ADMIN)
     assert (await flushed.json())["removed"] == held

@@ -15,8 +15,9 @@ import torch
 
 from prefixgate.errors import ConfigError, StoreError
 from prefixgate.store import Block, BlockKey, Keep, chain_keys, redis_tier, tail_key
+from prefixgate.store.codec import encode
 from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier, masked_url
-from tests.services import PASSWORD, RedisServer
+from tests.services import PASSWORD, RedisClusterNodes, RedisServer
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
 
 TierFactory = Callable[..., RedisTier]
@@ -126,19 +127,23 @@ def test_a_chain_and_what_follows_it_are_read_and_looked_up_in_one_round_trip_ea
     assert calls == {"cmdstat_exists": 5, "cmdstat_lrange": 6}  # the lookup reads no block
 
 
-def test_a_long_chain_is_read_in_round_trips_of_bounded_size_until_a_gap(
+def test_a_long_chain_streams_with_a_bounded_look_ahead_in_one_round_trip_and_stops_at_a_gap(
     open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_tier, "_TRIP_BYTES", 2 * BLOCK)
+    monkeypatch.setattr(redis_tier, "_AHEAD_BYTES", 2 * BLOCK)  # two blocks asked for beyond the one read
     writer, reader = open_tier(), open_tier()
-    blocks = make_chain(8, clock.now)
+    blocks = make_chain(12, clock.now)
     write(writer, blocks[:5])
-    assert reader.check()  # opens the reader's connection
     raw_redis.config_resetstat()
     found = reader.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [got.block.key for got in found] == keys_of(blocks[:5])
-    assert raw_redis.info("stats")["total_reads_processed"] == 3 + 1  # blocks 0-1, 2-3, 4-5 (a gap: done); INFO
-    assert raw_redis.info("commandstats")["cmdstat_get"]["calls"] == 6
+    # Blocks 0-1 first, then one more as each arrives, up to the gap at 5: 6 and 7 were on their way, 8-11 never
+    # asked for. Their replies are drained, so the connection serves the next read.
+    assert raw_redis.info("commandstats")["cmdstat_get"]["calls"] == 8
+    assert reader.counters.round_trips == 1
+    again = reader.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
+    assert [torch.equal(got.block.kv, block.kv) for got, block in zip(again, blocks, strict=False)] == [True] * 5
+    assert (reader.counters.round_trips, reader.counters.errors) == (2, 0)
 
 
 def test_a_chain_read_ends_at_the_first_missing_block_and_counts_one_miss(
@@ -152,24 +157,102 @@ def test_a_chain_read_ends_at_the_first_missing_block_and_counts_one_miss(
     assert (tier.counters.hits, tier.counters.misses) == (2, 1)
 
 
-@pytest.mark.parametrize("damage", ["a flipped payload byte", "another block's value"])
+@pytest.mark.parametrize(
+    ("stored", "corrupt"),
+    [
+        ("a flipped payload byte", True),
+        ("another block's value", True),
+        ("a larger value", True),  # read through and dropped, never held whole: a block's value has a known size
+        ("a list", False),  # an error reply (WRONGTYPE) in place of a value: a miss, but not the tier's to delete
+    ],
+)
 def test_a_value_that_fails_verification_is_a_miss_counted_corrupt_and_deleted(
-    damage: str, open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
+    stored: str, corrupt: bool, open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
 ) -> None:
     tier = open_tier()
     blocks = make_chain(3, clock.now)
     write(tier, blocks)
-    value = raw_redis.get(redis_key(blocks[0] if damage == "another block's value" else blocks[1]))
+    key = redis_key(blocks[1])
+    value = raw_redis.get(redis_key(blocks[0] if stored == "another block's value" else blocks[1]))
     assert isinstance(value, bytes)
     damaged = bytearray(value)
-    if damage == "a flipped payload byte":
+    if stored == "a flipped payload byte":
         damaged[-1] ^= 0xFF
-    raw_redis.set(redis_key(blocks[1]), bytes(damaged), keepttl=True)
+    elif stored == "a larger value":
+        damaged = bytearray(BLOCK + (1 << 20))
+    raw_redis.set(key, bytes(damaged), keepttl=True)
+    if stored == "a list":
+        raw_redis.delete(key)
+        raw_redis.rpush(key, b"x")
     found = tier.get_chain(keys_of(blocks), tokens_of(blocks)).blocks
     assert [got.block.key for got in found] == keys_of(blocks[:1])
-    assert (tier.counters.corrupt, tier.counters.hits, tier.counters.misses) == (1, 1, 1)
+    counters = tier.counters
+    assert (counters.corrupt, counters.hits, counters.misses, counters.errors) == (int(corrupt), 1, 1, 0)
     tier.flush()  # the delete goes through the writer
-    assert [raw_redis.exists(redis_key(block)) for block in blocks] == [1, 0, 1]
+    assert [raw_redis.exists(redis_key(block)) for block in blocks] == [1, int(not corrupt), 1]
+    write(tier, blocks[1:2])  # the connection reads on: the stream stayed in step
+    assert len(tier.get_chain(keys_of(blocks), tokens_of(blocks)).blocks) == 3
+
+
+def test_reads_speak_resp3_when_the_url_asks_for_it(redis_server: RedisServer, clock: FakeClock) -> None:
+    tier = RedisTier((f"{redis_server.url}?protocol=3",), LAYOUT, clock=clock)
+    try:
+        blocks = make_chain(3, clock.now)
+        write(tier, blocks[:2])
+        run = tier.get_chain(keys_of(blocks), tokens_of(blocks))  # RESP3 answers the missing third with its null
+        assert (run.run, run.following) == (2, [])
+        assert tier.present(keys_of(blocks)).run == 2 and tier.continuations(blocks[0].key) == [
+            (blocks[1].key, blocks[1].tokens)
+        ]
+        assert tier.counters.errors == 0
+    finally:
+        tier.close()
+
+
+def test_a_read_answered_moved_by_a_cluster_node_finds_the_block_on_its_new_node_next_time(
+    redis_cluster: RedisClusterNodes, clock: FakeClock
+) -> None:
+    tier = RedisTier(redis_cluster.urls, LAYOUT, clock=clock)
+    try:
+        blocks = make_chain(1, clock.now)
+        key = redis_key(blocks[0])
+        clients = [node.client() for node in redis_cluster.nodes]
+        slot = clients[0].cluster("KEYSLOT", key)
+        target = next(client for client in clients if not _serves(client, slot))
+        # The slot moves (empty, so no keys migrate) after the tier learned the map of slots; the block goes there.
+        target_id = target.cluster("MYID")
+        for client in (target, *(client for client in clients if client is not target)):
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        target.set(key, encode(blocks[0]))
+        assert tier.get_chain(keys_of(blocks), tokens_of(blocks)).run == 0  # the old node answers MOVED: a miss
+        assert tier.get_chain(keys_of(blocks), tokens_of(blocks)).run == 1  # the map read again: found
+        assert tier.counters.errors == 0
+    finally:
+        tier.close()
+
+
+def test_a_stopped_cluster_node_costs_misses_and_errors_and_never_fails_a_read(
+    redis_cluster: RedisClusterNodes, clock: FakeClock
+) -> None:
+    tier = RedisTier(redis_cluster.urls, LAYOUT, clock=clock, backoff=1.0)
+    try:
+        blocks = make_chain(12, clock.now)  # spread over the three nodes
+        write(tier, blocks)
+        assert tier.get_chain(keys_of(blocks), tokens_of(blocks)).run == 12
+        redis_cluster.nodes[1].stop()
+        for _ in range(3):  # the map of slots is read again after each fault: the other nodes still list the node
+            assert tier.get_chain(keys_of(blocks), tokens_of(blocks)).run < 12
+            clock.advance(60.0)
+        assert tier.counters.errors == 3 and not tier.available
+    finally:
+        tier.close()
+
+
+def _serves(client: redis.Redis, slot: int) -> bool:
+    """Return whether the cluster node behind `client` serves `slot`."""
+    myself = client.cluster("MYID")
+    ranges = client.execute_command("CLUSTER", "SLOTS")  # [start, end, [host, port, node id], ...replicas]
+    return any(start <= slot <= end and primary[2] == myself for start, end, primary, *_ in ranges)
 
 
 # -- writing --------------------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ async def test_dashboard_shows_the_remote_tier_only_when_there_is_one(
     remote = (await admin(client, "/admin/cache"))["remote"]
     assert "hidden" not in page.by_id["remote-section"]
     assert remote["entries"] > 0
-    for field in ("entries", "hits", "misses", "errors", "writes", "dropped_writes"):
+    for field in ("entries", "hits", "misses", "errors", "round_trips", "writes", "dropped_writes"):
         assert int(page.values[f"remote.{field}"]) == remote[field], field
     assert int(page.values["remote.used_memory"]) > 0  # Redis's own, which moves with every client it serves
     assert page.text("remote.maxmemory") == "no limit" and page.text("remote.available") == "available"

@@ -25,10 +25,11 @@ chat = functools.partial(chat_body, max_tokens=4)
 
 
 async def cached(client: TestClient[Any, Any], body: dict[str, Any], key: str | None = None) -> int:
-    """Send a chat request; return its cached prompt tokens."""
+    """Send a chat request; return its cached prompt tokens once the blocks it computed are in the store."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = await client.post("/v1/chat/completions", json=body, headers=headers)
     assert response.status == 200, await response.text()
+    await engine_of(client).wait_for_blocks()  # the last ones may be filed after the response went out
     return int((await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 

@@ -25,6 +25,7 @@ from redis.exceptions import InvalidResponse
 
 _T = TypeVar("_T")
 _READ_AHEAD = 64 << 10  # bytes read at once for reply headers and small replies
+_SMALL_BYTES = 1 << 20  # the largest bulk string `read` returns: the replies it reads are lists of token ids
 
 
 class ReplyError(Exception):
@@ -54,11 +55,6 @@ class CommandStream:
     ) -> None:
         self.close(failed=error is not None)
 
-    @property
-    def pending(self) -> int:
-        """Return how many commands were sent whose replies are not read yet."""
-        return len(self._pending)
-
     def send(self, *command: str | int | bytes) -> None:
         """Queue a command; its second word, the key, picks the node."""
         connection = self._connection(command[1])
@@ -66,24 +62,23 @@ class CommandStream:
         self._pending.append(connection)
 
     def read(self) -> object:
-        """Return the next reply: bytes, int, list, None, or a ReplyError."""
+        """Return the next reply: bytes, int, list, None, or a ReplyError (an OversizeValue for a bulk string over
+        `_SMALL_BYTES`, read through and dropped)."""
         return self._seen(self._next().reply())
 
     def read_into(self, buffer: bytearray) -> memoryview | ReplyError | None:
         """Return the next reply, a bulk string, read into `buffer`: a view of its leading bytes.
 
-        A value longer than `buffer` is read through it and thrown away, as an `OversizeValue`: a block's value has a
-        known size, and a larger one must not make a lookup take memory without bound.
+        A value longer than `buffer` is read through and dropped, an `OversizeValue`: a block's value has a known size,
+        and a larger one must not make a lookup take memory without bound.
         """
         return self._seen(self._next().bulk_into(buffer))
 
     def close(self, *, failed: bool = False) -> None:
         """Give the connections back: drained of replies still in flight, or disconnected when `failed`."""
         try:
-            if not failed:
-                scratch = bytearray(_READ_AHEAD)
-                while self._pending:
-                    self._next().bulk_into(scratch, discard=True)
+            while self._pending and not failed:
+                self._next().reply()  # a block's value is read through and dropped, never held whole
         except BaseException:
             failed = True
             raise
@@ -159,47 +154,28 @@ class _Reader:
         self._end = 0
 
     def reply(self) -> object:
+        """Return the next reply; a bulk string over `_SMALL_BYTES` is read through and dropped, an OversizeValue."""
+        return self._rest_of_reply(*self._header())
+
+    def bulk_into(self, buffer: bytearray) -> memoryview | ReplyError | None:
+        """Return the next reply, a bulk string, read into `buffer`; any other reply is read whole and stands as a
+        ReplyError (None stays None)."""
         kind, rest = self._header()
         if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            value = bytearray(length + 2)
-            self._read_exactly(memoryview(value))
-            return bytes(value[:length])
+            return self._bulk(_integer(rest), buffer)
+        other = self._rest_of_reply(kind, rest)
+        return other if other is None or isinstance(other, ReplyError) else ReplyError(f"not a value: {other!r}")
+
+    def _rest_of_reply(self, kind: bytes, rest: bytes) -> object:
+        """Return the reply whose first line was `kind` and `rest`."""
+        if kind == b"$":
+            value = self._bulk(_integer(rest), None)
+            return bytes(value) if isinstance(value, memoryview) else value
         if kind == b"*":
-            count = int(rest)
+            count = _integer(rest)
             return None if count < 0 else [self.reply() for _ in range(count)]
         if kind == b":":
-            return int(rest)
-        return self._other(kind, rest)
-
-    def bulk_into(self, buffer: bytearray, *, discard: bool = False) -> memoryview | ReplyError | None:
-        kind, rest = self._header()
-        if kind != b"$":
-            if kind == b"*":  # an array where a bulk string was expected: read it whole, as the stream must go on
-                count = int(rest)
-                for _ in range(max(count, 0)):
-                    self.reply()
-                return ReplyError(f"an array of {count} replies")
-            other = self._other(kind, rest)
-            return other if isinstance(other, ReplyError) or other is None else ReplyError(f"reply {other!r}")
-        length = int(rest)
-        if length < 0:
-            return None
-        view = memoryview(buffer)
-        if length + 2 <= len(buffer) and not discard:
-            self._read_exactly(view[: length + 2])
-            self._check_end(view[length : length + 2])
-            return view[:length]
-        left = length + 2
-        while left:
-            step = min(left, len(view))
-            self._read_exactly(view[:step])
-            left -= step
-        return OversizeValue(f"a value of {length} bytes, more than the {len(buffer) - 2} expected")
-
-    def _other(self, kind: bytes, rest: bytes) -> object:
+            return _integer(rest)
         if kind == b"-":
             return ReplyError(rest.decode(errors="replace"))
         if kind == b"+":
@@ -208,11 +184,32 @@ class _Reader:
             return None
         raise InvalidResponse(f"unexpected reply type {kind!r} from Redis")
 
+    def _bulk(self, length: int, buffer: bytearray | None) -> memoryview | OversizeValue | None:
+        """Read a bulk string's bytes into `buffer` (a new one when None) and return a view of them."""
+        if length < 0:
+            return None
+        if buffer is None and length <= _SMALL_BYTES:
+            buffer = bytearray(length + 2)
+        if buffer is None or length + 2 > len(buffer):
+            scratch = memoryview(bytearray(min(length + 2, _READ_AHEAD)))
+            left = length + 2
+            while left:
+                step = min(left, len(scratch))
+                self._read_exactly(scratch[:step])
+                left -= step
+            expected = _SMALL_BYTES if buffer is None else len(buffer) - 2
+            return OversizeValue(f"a value of {length} bytes, more than the {expected} expected")
+        view = memoryview(buffer)[: length + 2]
+        self._read_exactly(view)
+        if bytes(view[length:]) != b"\r\n":
+            raise InvalidResponse("a bulk reply from Redis not ended by CRLF")
+        return view[:length]
+
     def _header(self) -> tuple[bytes, bytes]:
         """Return the type byte and the rest of the next reply's first line, past any RESP3 push message."""
         kind, rest = self._line()
         while kind == b">":  # out-of-band (client tracking, maintenance notices): not a reply to a command
-            for _ in range(int(rest)):
+            for _ in range(_integer(rest)):
                 self.reply()
             kind, rest = self._line()
         return kind, rest
@@ -239,10 +236,6 @@ class _Reader:
         while done < len(into):
             done += self._receive(into[done:])
 
-    def _check_end(self, end: memoryview) -> None:
-        if bytes(end) != b"\r\n":
-            raise InvalidResponse("a bulk reply from Redis not ended by CRLF")
-
     def _fill(self) -> None:
         """Read more bytes after those read ahead, moving them to the front first."""
         if self._start:
@@ -256,3 +249,10 @@ class _Reader:
         if count == 0:
             raise ConnectionError("Redis closed the connection")
         return count
+
+
+def _integer(text: bytes) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidResponse(f"a malformed length or number {text[:32]!r} from Redis") from None

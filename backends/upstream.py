@@ -38,10 +38,12 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamChunk:
-    """A piece of an upstream's answer: text, and the finish reason on the last one."""
+    """A piece of an upstream's answer: text, and on the last one the finish reason and the stop string that ended
+    it, when the upstream says (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
 
     text: str
     finish_reason: str | None = None
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,9 @@ class UpstreamStream:
         for choice in chunk.get("choices") or ():
             text = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
             if text or choice.get("finish_reason"):
-                self._pending.append(UpstreamChunk(text or "", choice.get("finish_reason")))
+                stop = choice.get("stop_reason", choice.get("matched_stop"))  # a stop token's id when not a string
+                stop = stop if isinstance(stop, str) else None
+                self._pending.append(UpstreamChunk(text or "", choice.get("finish_reason"), stop))
 
 
 class UpstreamPool:

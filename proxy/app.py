@@ -188,10 +188,17 @@ async def _generate(
         async with generation:
             return await _stream(request, generation, body.model, include_usage, chat=chat)
     async with generation:
-        text = "".join([chunk.text async for chunk in generation])
+        text, stop = await _whole(generation)
     render = api.chat_completion if chat else api.text_completion
-    payload = render(generation.request_id, body.model, text, generation.finish_reason or "stop", generation.usage())
+    finish_reason = generation.finish_reason or "stop"
+    payload = render(generation.request_id, body.model, text, finish_reason, generation.usage(), stop)
     return web.json_response(payload, headers=_headers(generation))
+
+
+async def _whole(generation: AnyGeneration) -> tuple[str, str | None]:
+    """Return the whole answer, and the stop string that ended it (None when none did)."""
+    chunks = [chunk async for chunk in generation]
+    return "".join(chunk.text for chunk in chunks), chunks[-1].stop_sequence if chunks else None
 
 
 async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
@@ -217,9 +224,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         async with generation:
             return await _stream_message(request, generation, body.model, message_id)
     async with generation:
-        chunks = [chunk async for chunk in generation]
-    text = "".join(chunk.text for chunk in chunks)
-    stop = chunks[-1].stop_sequence if chunks else None
+        text, stop = await _whole(generation)
     payload = anthropic.message(message_id, body.model, text, generation.finish_reason, stop, generation.usage())
     return web.json_response(payload, headers=_headers(generation))
 
@@ -325,13 +330,15 @@ async def _stream(
     rid = generation.request_id
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        text: str | None, finish_reason: str | None, stop: str | None = None, *, role: bool = False
+    ) -> dict[str, Any]:
         if not chat:
-            return api.text_chunk(rid, model, created, text or "", finish_reason)
+            return api.text_chunk(rid, model, created, text or "", finish_reason, stop)
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        body = api.chat_chunk(rid, model, created, delta, finish_reason)
+        body = api.chat_chunk(rid, model, created, delta, finish_reason, stop)
         if include_usage:
             body["usage"] = None
         return body
@@ -339,10 +346,12 @@ async def _stream(
     try:
         if chat:
             await _send(response, chunk(None, None, role=True))
+        stop = None
         async for token in generation:
+            stop = token.stop_sequence
             if token.text:
                 await _send(response, chunk(token.text, None))
-        await _send(response, chunk(None, generation.finish_reason))
+        await _send(response, chunk(None, generation.finish_reason, stop))
         if include_usage:
             await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
     except (ConnectionResetError, asyncio.CancelledError):

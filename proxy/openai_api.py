@@ -289,8 +289,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def chat_completion(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    """Return a whole chat completion body."""
+def chat_completion(
+    request_id: str, model: str, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None
+) -> dict[str, Any]:
+    """Return a whole chat completion body; `stop_reason` is the stop string that ended it, as vLLM reports it."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -302,45 +304,58 @@ def chat_completion(request_id: str, model: str, text: str, finish_reason: str, 
                 "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None,
                 "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
             }
         ],
         "usage": usage_body(usage),
     }
 
 
-def text_completion(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    """Return a whole text completion body."""
+def text_completion(
+    request_id: str, model: str, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None
+) -> dict[str, Any]:
+    """Return a whole text completion body; `stop_reason` as in `chat_completion`."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [_text_choice(text, finish_reason, stop_reason)],
         "usage": usage_body(usage),
     }
 
 
 def chat_chunk(
-    request_id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
-    """Return one chat.completion.chunk."""
+    """Return one chat.completion.chunk; the last one has the finish reason, and `stop_reason` as in
+    `chat_completion`."""
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        ],
     }
 
 
-def text_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """Return one streamed text_completion chunk."""
+def text_chunk(
+    request_id: str, model: str, created: int, text: str, finish_reason: str | None, stop_reason: str | None = None
+) -> dict[str, Any]:
+    """Return one streamed text_completion chunk; `stop_reason` as in `chat_completion`."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [_text_choice(text, finish_reason, stop_reason)],
     }
 
 
@@ -359,3 +374,7 @@ def usage_chunk(request_id: str, model: str, created: int, kind: str, usage: Usa
 def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """Return OpenAI's error object."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _text_choice(text: str, finish_reason: str | None, stop_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}

@@ -228,6 +228,7 @@ class UpstreamGeneration:
         self.duration: float | None = None
         self.saved_seconds: float | None = None  # the upstream's own prefill time is not known here
         self._forward = forward
+        self._stops = tuple(forward.body.get("stop") or ())  # the request's stop strings
         self._stream = stream
         self._started = started
         self._chunks = 0
@@ -257,8 +258,10 @@ class UpstreamGeneration:
         self.finish_reason = chunk.finish_reason
         if chunk.finish_reason is not None:
             await self._stream.finish()
-        # -1: an upstream sends text, not token ids; its finish reasons are OpenAI's, as the local backend's are.
-        return TokenChunk(-1, chunk.text, cast(FinishReason | None, chunk.finish_reason))
+        # -1: an upstream sends text, not token ids; its finish reasons are OpenAI's, as the local backend's are. A
+        # stop string it names counts only when the request asked for it, as an Anthropic client is told which.
+        stop = chunk.stop_sequence if chunk.stop_sequence in self._stops else None
+        return TokenChunk(-1, chunk.text, cast(FinishReason | None, chunk.finish_reason), stop)
 
     async def aclose(self) -> None:
         """Stop (closing the connection stops the upstream) and count the request with the upstream's usage."""

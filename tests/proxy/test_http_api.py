@@ -122,6 +122,31 @@ async def test_completions_stream_and_not(serve: Serve) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_the_stop_string_that_ended_an_answer_is_named_in_stop_reason_as_vllm_names_it(
+    serve: Serve, route: str
+) -> None:
+    client = await serve()
+    chat_route = route == "/v1/chat/completions"
+    body = chat(max_tokens=16) if chat_route else {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 16}
+    body["temperature"] = 0
+
+    def text_of(choice: dict[str, Any]) -> str:
+        return str(choice["message"]["content"] if chat_route else choice["text"])
+
+    free = (await (await client.post(route, json=body)).json())["choices"][0]
+    assert free["stop_reason"] is None  # no stop string ended it
+    text = text_of(free)
+    stop = text.strip()[2:5]
+    assert stop, f"the tiny model's answer is too short to take a stop string from: {text!r}"
+    stopped = (await (await client.post(route, json=body | {"stop": ["never said", stop]})).json())["choices"][0]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    assert text_of(stopped) == text[: text.index(stop)]
+    response = await client.post(route, json=body | {"stop": [stop], "stream": True})
+    chunks = [json.loads(data) for _, data in sse_events(await response.text())[:-1]]
+    assert [chunk["choices"][0]["stop_reason"] for chunk in chunks] == [None] * (len(chunks) - 1) + [stop]
+
+
 def nested(depth: int) -> dict[str, Any]:
     """Return a JSON schema whose properties nest `depth` objects deep."""
     schema: dict[str, Any] = {"type": "string"}

@@ -132,6 +132,12 @@ async def test_anthropic_clients_are_served_from_the_upstreams_too(front: Front,
     again = await messages.create(messages=[{"role": "user", "content": "Hi?"}], **fields)
     assert again.content[0].text == first.content[0].text
     assert first.usage.cache_read_input_tokens == 0 and again.usage.cache_read_input_tokens > 0  # the upstream's
+    # The upstream (prefixgate, as vLLM) names the stop string that ended its answer: the client is told which.
+    stop = first.content[0].text.strip()[1:3]
+    assert stop, f"the tiny model's answer is too short to take a stop sequence from: {first.content[0].text!r}"
+    stopped = await messages.create(messages=[{"role": "user", "content": "Hi?"}], stop_sequences=[stop], **fields)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stopped.content[0].text == first.content[0].text[: first.content[0].text.index(stop)]
     with pytest.raises(anthropic.BadRequestError, match="forwards to upstreams"):
         await messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi?"}])
     with pytest.raises(anthropic.BadRequestError, match="forwards to upstreams"):

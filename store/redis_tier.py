@@ -136,7 +136,13 @@ class _Delete:
     keys: tuple[BlockKey, ...]
 
 
-_Op = _Put | _Delete | None  # None stops the writer
+@dataclass(frozen=True, slots=True)
+class _Retain:
+    keys: tuple[BlockKey, ...]
+    until: float
+
+
+_Op = _Put | _Delete | _Retain | None  # None stops the writer
 
 
 class RedisTier:
@@ -470,6 +476,15 @@ class RedisTier:
         self._queue.put(_Put(block, keep))
         return True
 
+    def retain(self, keys: Sequence[BlockKey], until: float) -> None:
+        """Queue keeping the blocks in Redis at least until `until` (on the tier's clock); a longer TTL stays.
+
+        Sent after every write queued before it, so a block put just before is kept too. Blocks Redis no longer
+        holds are not brought back.
+        """
+        if keys and self._health.usable():
+            self._queue.put(_Retain(tuple(keys), until))
+
     def remove(self, keys: Sequence[BlockKey]) -> None:
         """Queue the blocks' deletion from Redis, after every write queued before it."""
         if keys:
@@ -563,7 +578,7 @@ class RedisTier:
             if batch[-1] is None:
                 return
 
-    def _write(self, ops: list[_Put | _Delete]) -> None:
+    def _write(self, ops: list[_Put | _Delete | _Retain]) -> None:
         """Send the batch in one pipeline; count what Redis took and what it refused."""
         if not self._health.usable():
             # The deletes are lost too: a corrupt value fails verification again on its next read, and goes then.
@@ -576,6 +591,12 @@ class RedisTier:
             if isinstance(op, _Delete):
                 for key in op.keys:  # one command a key: on a cluster, each may live on another node
                     pipe.unlink(_redis_key(key))
+                    sizes.append(None)
+                continue
+            if isinstance(op, _Retain):
+                milliseconds = int((op.until - self._clock()) * 1000)
+                for key in op.keys if milliseconds > 0 else ():
+                    pipe.pexpire(_redis_key(key), milliseconds, gt=True)  # GT (Redis 7): never shortens a TTL
                     sizes.append(None)
                 continue
             block = op.block

@@ -428,18 +428,21 @@ class TieredStore:
         return added
 
     def retain(self, keys: Sequence[BlockKey], seconds: float) -> int:
-        """Keep the blocks held locally at least `seconds` from now; return how many are held.
+        """Keep the blocks at least `seconds` from now; return how many are held locally.
 
         A retained block never expires before its retention ends, and a tier evicts it only when nothing unretained
         is left to evict there (its budget still holds); evicted from a memory tier, it is demoted like any other. A
-        retention only grows: a shorter one leaves a longer one as it is. The remote tier keeps the retention a
-        block was written with, not later ones.
+        retention only grows: a shorter one leaves a longer one as it is. In Redis, where eviction is Redis's own,
+        the blocks' TTLs are lengthened to match, in the background.
         """
         if not seconds > 0:
             raise ValueError(f"retain needs a positive number of seconds, got {seconds}")
         self.expire()  # a block whose time is up is not brought back
+        until = self._clock() + seconds
+        if self.remote is not None:
+            self.remote.retain(keys, until)
         with self._lock:
-            return self._retain_held(keys, self._clock() + seconds)
+            return self._retain_held(keys, until)
 
     def pin(self, key: BlockKey, pinned: bool = True) -> bool:
         """Pin (or unpin) a block in every tier holding it; return whether any does."""

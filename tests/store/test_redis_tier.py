@@ -286,6 +286,21 @@ def test_a_retained_block_lives_in_redis_at_least_until_its_retention_ends(
     assert found.keep == Keep(ttl=30.0, retain_until=clock.now + 7200.0)
 
 
+def test_a_later_retention_lengthens_a_blocks_ttl_in_redis_and_never_shortens_it(
+    open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
+) -> None:
+    tier = open_tier(ttl=60.0)
+    kept, gone = make_chain(2, clock.now)
+    write(tier, [kept])
+    tier.retain([kept.key, gone.key], clock.now + 86_400.0)  # one Redis does not hold: not brought back
+    tier.flush()
+    assert 3_600_000 < raw_redis.pttl(redis_key(kept)) <= 86_400_000
+    tier.retain([kept.key], clock.now + 600.0)  # shorter than the TTL it has now: left as it is
+    tier.flush()
+    assert raw_redis.pttl(redis_key(kept)) > 3_600_000 and raw_redis.exists(redis_key(gone)) == 0
+    assert tier.counters.errors == 0
+
+
 def test_blocks_written_after_a_block_are_listed_with_their_tokens_and_cleared_with_the_blocks(
     open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
 ) -> None:

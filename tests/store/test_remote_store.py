@@ -67,6 +67,19 @@ def test_what_one_replica_computed_another_fetches_verified_and_keeps(
     assert first_remote is not None and first_remote.writes == 4
 
 
+def test_a_retention_extended_by_a_replica_lengthens_the_blocks_ttl_in_redis(
+    open_replica: ReplicaFactory, redis_server: RedisServer
+) -> None:
+    first, second = open_replica((redis_server.url,), ttl=3600.0), open_replica((redis_server.url,), ttl=3600.0)
+    compute(first, TOKENS)
+    keys = second.fetch(make_namespace(), TOKENS).keys[:4]
+    assert second.retain(keys, 2 * 86_400.0) == 4  # held by the second once promoted; in Redis for every replica
+    second.wait_for_writes()
+    raw = redis_server.client()
+    assert all(86_400_000 < raw.pttl(f"{KEY_PREFIX}{key.hex()}") <= 172_800_000 for key in keys)
+    raw.close()
+
+
 def test_a_chain_partly_local_continues_from_redis(open_replica: ReplicaFactory, redis_server: RedisServer) -> None:
     first, second = open_replica((redis_server.url,)), open_replica((redis_server.url,))
     computed = compute(first, TOKENS)

@@ -397,11 +397,8 @@ class RedisTier:
             self._slots_stale = False
             with stream:
                 conversation(stream)
-        except (
-            RedisError,
-            RedisClusterException,
-            OSError,
-        ) as error:  # the last: no node serves a slot, or none answers
+        # RedisClusterException: no node serves a key's slot, or no node of the cluster answers.
+        except (RedisError, RedisClusterException, OSError) as error:
             self._fault(error)
             return
         finally:

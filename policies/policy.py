@@ -265,11 +265,18 @@ class Policy(ABC):
         assert expires_at is not None, "only entries with a deadline can expire"
         return expires_at, entry.inserted_rank
 
-    def _track(self, key: Hashable, entry: Entry) -> None:
-        """Put an unretained entry in the expiry orders, and in the victim order unless pinned."""
+    def _track(self, key: Hashable, entry: Entry, *, released: bool = False) -> None:
+        """Put an unretained entry in the expiry orders, and in the victim order unless pinned (the orders place a
+        returning key by its old rank).
+
+        A `released` entry, whose retention just ended, waits for its idle deadline in a heap, not at the end of
+        `_idle_order`: entries used after it sit there, and `expired` stops at the first one still alive.
+        """
         if entry.deadline is not None:
             self._deadlines.add(key, entry.deadline, entry.inserted_rank)
-        if self._idle_ttl is not None:
+        if self._idle_ttl is not None and released:
+            self._released_idle.add(key, entry.last_access + self._idle_ttl, entry.used_rank)
+        elif self._idle_ttl is not None:
             self._idle_order[key] = None
         if not entry.pinned:
             self._enqueue(key, entry)
@@ -289,14 +296,7 @@ class Policy(ABC):
             entry.retained_until = None
             self._retained.discard(key)
             self._retained_victims.discard(key)
-            if entry.deadline is not None:
-                self._deadlines.add(key, entry.deadline, entry.inserted_rank)
-            if self._idle_ttl is not None:
-                # Not at the end of `_idle_order`: entries used after it sit there, and `expired` stops at the first
-                # one still alive.
-                self._released_idle.add(key, entry.last_access + self._idle_ttl, entry.used_rank)
-            if not entry.pinned:
-                self._enqueue(key, entry)  # the orders place a returning key by its old rank
+            self._track(key, entry, released=True)
 
     def _forget(self, key: Hashable) -> None:
         entry = self._entries.pop(key)

@@ -114,6 +114,16 @@ class RedisServer:
         finally:
             client.close()
 
+    def freeze(self) -> None:
+        """Suspend the server (SIGSTOP): it keeps its connections and answers nothing until `thaw`."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Resume a frozen server (SIGCONT), with what it held."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Stop the server, if it runs; everything it held is gone."""
         if self._process is None:

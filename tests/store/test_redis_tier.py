@@ -413,15 +413,17 @@ def test_a_stopped_redis_answers_misses_and_the_tier_serves_again_after_its_back
 
 
 def test_a_redis_that_stops_answering_mid_read_costs_the_read_its_timeout_and_a_miss(
-    open_tier: TierFactory, raw_redis: redis.Redis, clock: FakeClock
+    open_tier: TierFactory, redis_server: RedisServer, clock: FakeClock
 ) -> None:
     tier = open_tier(socket_timeout=0.1, backoff=1.0)
     blocks = make_chain(3, clock.now)
     keys, tokens = keys_of(blocks), tokens_of(blocks)
     write(tier, blocks)
-    raw_redis.client_pause(2_000)  # every client: Redis takes commands and answers none for 2 s
-    assert tier.get_chain(keys, tokens).run == 0
-    assert raw_redis.ping()  # answered when the pause ends (an UNPAUSE would wait for it too)
+    redis_server.freeze()  # Redis takes the commands into its socket and answers none
+    try:
+        assert tier.get_chain(keys, tokens).run == 0
+    finally:
+        redis_server.thaw()  # it now answers the timed-out read, on a connection the tier has dropped
     assert (tier.counters.errors, tier.counters.misses, tier.available) == (1, 1, False)
     clock.advance(1.0)
     # Another read, on another connection: the timed-out one, whose late replies would answer this read's commands

@@ -29,6 +29,8 @@ class AdmissionStats:
     budget_bytes: int
     max_running: int
     max_waiting: int
+    shared_prefixes: int = 0  # prefixes in memory read in place by running requests (counted once in bytes_in_use)
+    shared_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -94,6 +96,21 @@ class Admission:
         with self._lock:
             self._give_back(nbytes)
 
+    def charge(self, delta: int) -> bool:
+        """Count `delta` more bytes if they fit the budget beside what is counted now, without waiting; negative bytes
+        are given back. Return whether they were counted (a shared prefix is made only when its memory fits)."""
+        with self._lock:
+            if delta > 0 and self._in_use + delta > self.budget_bytes:
+                return False
+            self._add(delta)
+            return True
+
+    def adjust(self, delta: int) -> None:
+        """Count `delta` more bytes (negative: fewer) whatever the budget, from any thread: a request whose shared
+        prefix failed to fill holds its whole prompt after all."""
+        with self._lock:
+            self._add(delta)
+
     def stats(self) -> AdmissionStats:
         """Return the counts and bytes as they are now."""
         with self._lock:
@@ -112,6 +129,12 @@ class Admission:
     def _take(self, nbytes: int) -> None:
         self._running += 1
         self._in_use += nbytes
+
+    def _add(self, delta: int) -> None:
+        self._in_use += delta
+        assert self._in_use >= 0, "more bytes were given back than taken"
+        if delta < 0:
+            self._admit_waiters()
 
     def _give_back(self, nbytes: int) -> None:
         assert self._running > 0 and self._in_use >= nbytes, "a share was given back twice"

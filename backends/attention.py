@@ -1,4 +1,4 @@
-"""Packed attention: many requests' new tokens in one forward pass, each attending only to its own KV buffer.
+"""Packed attention: many requests' new tokens in one forward pass, each attending only to its own KV.
 
 The model runs once over the step's tokens packed into one row (`[1, total, hidden]`): projections, MLPs and norms
 see one batch. Attention is the only per-request part. transformers calls this function once per layer with the
@@ -7,6 +7,13 @@ buffer and attends its queries over the buffer's filled positions, as vLLM's att
 and then attends. No cache object is passed to the model, so transformers neither stores K and V itself nor builds a
 mask: this name is not registered for masks, and each request's causal (and sliding-window) mask is built here.
 Called outside a packed step (transformers' own `generate` on a model a backend has packed), it attends like SDPA.
+
+A request may start from shared prefixes: KV that several running requests read in place (see `shared_prefix.py`).
+Its buffer then holds only what follows them, and its attention is split in parts that merge exactly by their
+log-sum-exp (Hydragen, cascade attention): its own positions, attended per request, and each shared prefix, attended
+once per step by the queries of every request that reads it, grouped per KV head so that one matrix product serves
+them all. Over a 4k-token prefix that is about four times less attention time for 8 decoding requests than one call
+each, as every call reads the whole prefix from memory.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from transformers import AttentionInterface
 
 NAME = "prefixgate_packed"
+_SPLIT_TOKENS = 1024  # shared prefixes at least this long are attended in halves on a CPU (see _attend_prefix)
 BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
 
 
@@ -25,9 +33,21 @@ BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBa
 class Segment:
     """One request's part of a packed step: its KV buffer, what it holds already, and its new tokens."""
 
-    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim]
-    start: int  # positions of `kv` already filled; the new tokens take positions [start, start + length)
+    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim]; position p at index p - offset
+    start: int  # positions filled already; the new tokens take positions [start, start + length)
     length: int
+    offset: int = 0  # positions [0, offset) are not in `kv` but in `shared`
+    # The shared prefixes the request starts from, root first, together covering positions [0, offset): each
+    # [layers, 2, kv_heads, tokens, head_dim], the same tensor object for every request that reads it.
+    shared: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedReaders:
+    """One shared prefix of a step and the packed rows whose queries attend to it."""
+
+    kv: torch.Tensor  # kv: [layers, 2, kv_heads, tokens, head_dim]
+    rows: torch.Tensor | slice  # rows: [readers' tokens] into the packed step, a slice when they are contiguous
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +56,20 @@ class PackedBatch:
 
     segments: tuple[Segment, ...]
     cu_seqlens: tuple[int, ...]  # [segments + 1]: 0, len_0, len_0 + len_1, ..., total
+    shared: tuple[SharedReaders, ...] = ()  # each shared prefix once, parents before children
 
     @classmethod
-    def of(cls, segments: tuple[Segment, ...]) -> PackedBatch:
-        """Pack segments in the order given."""
+    def of(cls, segments: tuple[Segment, ...], device: torch.device | None = None) -> PackedBatch:
+        """Pack segments in the order given, grouping their rows by the shared prefixes they read."""
         bounds = [0]
+        readers: dict[int, tuple[torch.Tensor, list[int]]] = {}  # by the prefix tensor's identity
         for segment in segments:
+            for kv in segment.shared:
+                readers.setdefault(id(kv), (kv, []))[1].extend(range(bounds[-1], bounds[-1] + segment.length))
             bounds.append(bounds[-1] + segment.length)
-        return cls(segments, tuple(bounds))
+        # A parent comes before its children (dicts keep insertion order, and every reader lists parents first).
+        shared = tuple(SharedReaders(kv, _rows(rows, device)) for kv, rows in readers.values())
+        return cls(segments, tuple(bounds), shared)
 
 
 def packed_attention(
@@ -58,7 +84,7 @@ def packed_attention(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Write each segment's new K and V into its buffer and attend its queries over that buffer."""
+    """Write each segment's new K and V into its buffer and attend its queries over it and its shared prefixes."""
     heads, head_dim = query.shape[1], query.shape[3]
     scale = scaling if scaling is not None else head_dim**-0.5
     batch = kwargs.get(BATCH_ARGUMENT)
@@ -69,13 +95,16 @@ def packed_attention(
         mask = _mask(start, query.shape[2], 0, key.shape[2], sliding_window, query.device)
         return _attend(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
     assert isinstance(batch, PackedBatch)
+    if batch.shared and (sliding_window is not None or softcap):
+        raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     layer = int(getattr(module, "layer_idx"))  # noqa: B009  # every attention module of transformers has one
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
-    outputs = []
+    outputs, lses = [], []
     # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
-        start, end = segment.start, segment.start + segment.length
+        # Indices into the segment's own buffer, which starts at position `offset`.
+        start, end = segment.start - segment.offset, segment.start - segment.offset + segment.length
         stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
         stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
         # Keys a query may see: none past its own position, none at or before `position - window`.
@@ -83,10 +112,119 @@ def packed_attention(
         # SDPA's CPU kernels take 4-d inputs; 3-d ones fall back to a path several times slower.
         seen = stored[:, :, low:end].unsqueeze(1)  # seen: [2, 1, kv_heads, seen, head_dim]
         mask = _mask(start, segment.length, low, end, sliding_window, query.device)
-        outputs.append(_attend(query[:, :, begin : begin + segment.length], seen[0], seen[1], mask, scale, softcap))
+        queries = query[:, :, begin : begin + segment.length]
+        if batch.shared:
+            out, lse = attend_with_lse(queries, seen[0], seen[1], mask, scale)
+            lses.append(lse)
+        else:
+            out = _attend(queries, seen[0], seen[1], mask, scale, softcap)
+        outputs.append(out)
     out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # out: [1, heads, total, head_dim]
     assert out.shape[1] == heads
+    if batch.shared:
+        lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]  # lse: [1, heads, total], float32
+        out = _add_shared(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2).contiguous(), None  # [1, total, heads, head_dim]
+
+
+def attend_with_lse(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend queries `[1, heads, q, d]` over keys and values `[1, kv_heads, k, d]`; return the output and each
+    query's log-sum-exp of its scores (`[1, heads, q]`, float32), which merge partial attentions exactly."""
+    if queries.device.type == "cpu":
+        # The CPU flash kernel returns the log-sum-exp beside the output, at SDPA's speed, and groups heads itself.
+        additive = None if mask is None else _additive(mask, queries.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, 0.0, False, attn_mask=additive, scale=scale
+        )
+        return out, lse.float()
+    return _attend_exactly(queries, keys, values, mask, scale)
+
+
+def _attend_exactly(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend as `attend_with_lse` does, in plain matrix products: on any device (used where no fused kernel
+    returning the log-sum-exp is called, and as the reference the tests hold the kernel to)."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(queries.float(), keys.float().transpose(-2, -1)) * scale  # scores: [1, heads, q, k]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # lse: [1, heads, q]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    return out.to(queries.dtype), lse
+
+
+def _add_shared(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    shared: tuple[SharedReaders, ...],
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attend each shared prefix once for all its readers' queries and merge it into their outputs."""
+    _, heads, _, head_dim = query.shape
+    for readers in shared:
+        kv = readers.kv[layer]  # kv: [2, kv_heads, tokens, head_dim]
+        kv_heads = kv.shape[1]
+        rows = readers.rows
+        picked = query[:, :, rows]  # picked: [1, heads, rows, head_dim]
+        count = picked.shape[2]
+        # Query heads are grouped by the KV head they read (head h reads KV head h // groups): as rows of one matrix
+        # per KV head, every reader's queries meet each shared key once.
+        grouped = picked.reshape(1, kv_heads, heads // kv_heads * count, head_dim)
+        part, part_lse = _attend_prefix(grouped, kv, scale)
+        part = part.reshape(1, heads, count, head_dim)
+        part_lse = part_lse.reshape(1, heads, count)
+        merged, merged_lse = _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+        out[:, :, rows] = merged
+        lse[:, :, rows] = merged_lse
+    return out
+
+
+def _attend_prefix(grouped: torch.Tensor, kv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend grouped queries `[1, kv_heads, rows, d]` over one layer of a shared prefix `[2, kv_heads, tokens, d]`.
+
+    On a CPU a long prefix is cut in halves, attended as one batched call and merged: the kernel shares its work out
+    by KV head and block of queries, and with few of both (SmolLM2: 3 KV heads, 24 rows for 8 streams) one of two
+    cores does twice the other's share. Measured on SmolLM2 and 2 cores: a step of 8 streams on a 7k-token prefix
+    takes 105 ms instead of 115 (no change at 4k tokens; quarters gave nothing more).
+    """
+    keys, values = kv[0], kv[1]  # keys, values: [kv_heads, tokens, d]
+    kv_heads, tokens, head_dim = keys.shape
+    if grouped.device.type != "cpu" or tokens < _SPLIT_TOKENS or tokens % 2:
+        return attend_with_lse(grouped, keys.unsqueeze(0), values.unsqueeze(0), None, scale)
+    key_halves = keys.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)  # [2, kv_heads, tokens / 2, d]
+    value_halves = values.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)
+    out, lse = attend_with_lse(grouped.expand(2, -1, -1, -1), key_halves, value_halves, None, scale)
+    total = torch.logsumexp(lse, dim=0, keepdim=True)  # total: [1, kv_heads, rows]
+    weights = torch.exp(lse - total).unsqueeze(-1)  # weights: [2, kv_heads, rows, 1]
+    return (out.float() * weights).sum(dim=0, keepdim=True).to(out.dtype), total
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the attention over two disjoint sets of keys from each one's output and log-sum-exp."""
+    total = torch.logaddexp(lse, other_lse)  # total: [1, heads, rows]
+    mine, theirs = torch.exp(lse - total).unsqueeze(-1), torch.exp(other_lse - total).unsqueeze(-1)
+    merged = out.float() * mine + other.float() * theirs
+    return merged.to(out.dtype), total
+
+
+def _rows(rows: list[int], device: torch.device | None) -> torch.Tensor | slice:
+    if rows[-1] - rows[0] == len(rows) - 1:  # increasing, so contiguous: a view instead of a gather and scatter
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return a boolean mask as scores to add: 0 where a key is seen, minus infinity where it is not."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _mask(start: int, length: int, low: int, end: int, window: int | None, device: torch.device) -> torch.Tensor | None:

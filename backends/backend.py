@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -14,6 +14,7 @@ from prefixgate.errors import ContextLengthError, RequestError
 if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
     from prefixgate.backends.admission import AdmissionStats
     from prefixgate.backends.kv_buffers import KVReservation
+    from prefixgate.backends.shared_prefix import PrefixStart
 
 FinishReason = Literal["stop", "length"]
 
@@ -149,14 +150,25 @@ class Backend(Protocol):
         """Turn token ids back into text, leaving out special tokens."""
         ...
 
-    async def reserve(self, prompt_tokens: int, max_tokens: int) -> KVReservation:
+    def start_prefix(self, block_ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
+        """Start a request from one shared copy of its cached prefix: `block_ids` name its leading blocks held in the
+        store (block 0 first), `forks` where other cached prompts depart from it. None: nothing to share.
+
+        A start with a `fill` made a new shared prefix: fetch its blocks into `fill.kv` and call `filled()` at once,
+        whatever happens to the request. Pass the start to `reserve`.
+        """
+        ...
+
+    async def reserve(self, prompt_tokens: int, max_tokens: int, *, start: PrefixStart | None = None) -> KVReservation:
         """Wait until the request may run: its prompt and answer fit the context and the KV memory budget.
 
-        Raises ContextLengthError before allocating anything, and OverloadedError when the wait queue is full. The
-        reservation's `buffer` (None without reuse) is where to fetch the cached prefix (`TieredStore.fetch(...,
-        out=)`); blocks passed to generate() or prefill() as its leading slices are used in place. Pass it to one
-        generate() or prefill(), which takes it over and releases it when the request ends; release it yourself
-        only if you pass it to neither.
+        Raises ContextLengthError before allocating anything, and OverloadedError when the wait queue is full. With
+        a `start` (taken over: released with the reservation, or at once on failure) it is admitted for what follows
+        the shared prefix only; `await settle()` before using the buffer. The reservation's `buffer` (None without
+        reuse) is where to fetch the cached prefix after `offset` (`TieredStore.fetch(..., out=, start=)`); blocks
+        passed to generate() or prefill() as its leading slices are used in place. Pass it to one generate() or
+        prefill(), which takes it over and releases it when the request ends; release it yourself only if you pass
+        it to neither.
         """
         ...
 

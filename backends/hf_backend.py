@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,13 @@ from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParam
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
 from prefixgate.backends.handoff import LoopHandoff
 from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
-from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal
+from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal, sharing_refusal
 from prefixgate.backends.model_resolver import resolve_model
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.sampler import Sampler
 from prefixgate.backends.scheduler import Scheduler
 from prefixgate.backends.sequence import Decoding, SequencePlan
+from prefixgate.backends.shared_prefix import MIN_SHARED_TOKENS, PrefixStart, SharedPrefixes
 from prefixgate.backends.text_stream import TextStream
 from prefixgate.backends.worker import StepListener, Worker
 from prefixgate.errors import (
@@ -74,6 +76,7 @@ class HFBackend:
         max_running: int = 64,
         max_waiting: int = 256,
         kv_buffer_budget: int = 1 << 30,
+        min_shared_tokens: int = MIN_SHARED_TOKENS,
         on_step: StepListener | None = None,
     ) -> None:
         if block_size < 1:
@@ -108,6 +111,11 @@ class HFBackend:
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         budget = kv_memory_budget if kv_memory_budget is not None else default_kv_memory_budget(self.device)
         self._admission = Admission(budget_bytes=budget, max_running=max_running, max_waiting=max_waiting)
+        # Why running requests copy a cached prefix each instead of reading one shared copy; None when they share.
+        self.sharing_refusal: str | None = self.reuse_refusal or sharing_refusal(model.config)
+        self._prefixes: SharedPrefixes | None = None
+        if self._buffers is not None and self.sharing_refusal is None:
+            self._prefixes = SharedPrefixes(self._buffers, self._admission.charge, min_tokens=min_shared_tokens)
         interleaved = interleaved_prefill_tokens or default_interleaved_prefill_tokens(
             self.device, prefill_chunk_tokens
         )
@@ -204,28 +212,44 @@ class HFBackend:
         assert isinstance(text, str)
         return text
 
-    async def reserve(self, prompt_tokens: int, max_tokens: int) -> KVReservation:
+    def start_prefix(self, block_ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
+        """Start a request from the shared prefix of its cached blocks (their ids, block 0 first; `forks` as the
+        store's `held` finds them), or return None when it copies them into its own buffer (see `shared_prefix.py`).
+
+        When the start has a `fill`, fetch those blocks into `fill.kv` and report with `filled()` at once, before
+        `reserve`: others may be waiting for them. Pass the start to `reserve`, which takes it over.
+        """
+        if self._prefixes is None or not block_ids:
+            return None
+        return self._prefixes.attach(block_ids, forks)
+
+    async def reserve(self, prompt_tokens: int, max_tokens: int, *, start: PrefixStart | None = None) -> KVReservation:
         """Wait for KV memory for a prompt and its answer (see `Backend.reserve`); check the context length first."""
-        if self._worker.failure is not None:
-            raise ModelStoppedError(self._worker.failure)
-        check_context(self.context_length, prompt_tokens, max_tokens)
-        tokens = prompt_tokens + max_tokens
-        nbytes = self._buffers.nbytes_for(tokens) if self._buffers is not None else 0
-        await self._admission.enter(nbytes)
         try:
-            return KVReservation(
+            if self._worker.failure is not None:
+                raise ModelStoppedError(self._worker.failure)
+            check_context(self.context_length, prompt_tokens, max_tokens)
+            reservation = KVReservation(
                 self._buffers,
-                tokens,
+                prompt_tokens + max_tokens,
                 self._first_capacity(prompt_tokens, max_tokens),
-                lambda: self._admission.leave(nbytes),
+                self._admission.leave,
+                start=start,
+                on_resize=self._admission.adjust,
             )
+            await self._admission.enter(reservation.nbytes)
         except BaseException:
-            self._admission.leave(nbytes)
+            if start is not None:
+                start.release()
             raise
+        return reservation
 
     def admission(self) -> AdmissionStats:
         """Return how many requests run and wait, and the KV memory the running ones hold."""
-        return self._admission.stats()
+        stats = self._admission.stats()
+        if self._prefixes is None:
+            return stats
+        return replace(stats, shared_prefixes=len(self._prefixes), shared_bytes=self._prefixes.nbytes())
 
     def problem(self) -> str | None:
         """Say why the backend cannot serve (its model thread stopped on a fault), or None while it can."""
@@ -251,7 +275,8 @@ class HFBackend:
                     f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
                     param="n",
                 )
-            plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False)
+            shared = reservation.offset if reservation is not None else 0
+            plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False, shared=shared)
         except BaseException:
             if reservation is not None:  # taken over all the same, as prefill() does: a refused request holds none
                 reservation.release()
@@ -281,7 +306,7 @@ class HFBackend:
             if reservation is not None:
                 reservation.release()
             raise
-        if plan.prefill_end <= sum(block.shape[3] for block in plan.cached_blocks):
+        if plan.prefill_end <= plan.shared + sum(block.shape[3] for block in plan.cached_blocks):
             if reservation is not None:
                 reservation.release()
             return 0
@@ -354,8 +379,16 @@ class HFBackend:
         return [int(t) for t in self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
 
     def _plan(
-        self, token_ids: Sequence[int], cached_blocks: Sequence[torch.Tensor], *, max_tokens: int, prefill_only: bool
+        self,
+        token_ids: Sequence[int],
+        cached_blocks: Sequence[torch.Tensor],
+        *,
+        max_tokens: int,
+        prefill_only: bool,
+        shared: int = 0,
     ) -> SequencePlan:
+        """Check a request and say what to compute: `shared` positions are read from shared prefixes, and
+        `cached_blocks` follow them."""
         prompt = [int(t) for t in token_ids]
         if not prompt:
             raise RequestError("the prompt is empty; send at least one token", param="prompt")
@@ -369,7 +402,7 @@ class HFBackend:
             raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")
         check_blocks(cached_blocks, self.geometry)
         size = self.geometry.block_size
-        cached = sum(block.shape[3] for block in cached_blocks)
+        cached = shared + sum(block.shape[3] for block in cached_blocks)
         if cached > len(prompt):
             raise RuntimeError(
                 f"{len(cached_blocks)} cached blocks cover {cached} tokens, more than the prompt's {len(prompt)}; "
@@ -378,12 +411,14 @@ class HFBackend:
         # Generation needs the last prompt token's logits, so at least that token is computed: a cache covering the
         # whole prompt is cut short by one token. A prefill stops at the last whole block, and loads no more.
         usable = len(prompt) // size * size if prefill_only else len(prompt) - 1
+        assert shared <= usable and shared % size == 0, "shared prefixes hold whole blocks the prompt may reuse"
         return SequencePlan(
             prompt=prompt,
-            cached_blocks=_leading(cached_blocks, min(cached, usable)),
-            known_blocks=sum(block.shape[3] == size for block in cached_blocks),
+            cached_blocks=_leading(cached_blocks, min(cached, usable) - shared),
+            known_blocks=shared // size + sum(block.shape[3] == size for block in cached_blocks),
             prefill_end=usable if prefill_only else len(prompt),
             block_size=size,
+            shared=shared,
         )
 
     def _first_capacity(self, prompt_tokens: int, max_tokens: int) -> int:

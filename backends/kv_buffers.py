@@ -6,18 +6,27 @@ positions, and the model thread runs the request's cache in that same memory: th
 store straight to where attention reads it. When the request ends the buffer comes back for the next one. On a CPU
 that reuse matters: filling memory the process has not touched yet costs a page fault per 4 KiB, and a used buffer
 fills about four times faster (SmolLM2 at 4k tokens, 180 MB: about 30 ms instead of 130 ms on a 2-core machine).
+A request that starts from a shared prefix (`shared_prefix.py`) reserves and borrows for what follows it only, and
+shared prefixes take their memory from the same buffers.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixgate.backends.backend import KVGeometry
 
-GRANULE = 256  # capacities are multiples of this many tokens, so buffers fit many prompt lengths
+if TYPE_CHECKING:  # shared_prefix builds on this module's buffers
+    from prefixgate.backends.shared_prefix import PrefixStart
+
+# Capacities are multiples of this many tokens (a block of the default size), so kept buffers fit many prompt lengths,
+# while a request's share stays close to what it holds: 32 requests after one shared prefix, each with a short
+# question and 64 tokens to answer, would reserve 1.6 times their tokens at 256.
+GRANULE = 64
 
 
 def round_up(tokens: int) -> int:
@@ -65,59 +74,115 @@ class KVReservation:
     """One request's admitted share of KV memory: up to `tokens` tokens, in a buffer that grows within it.
 
     The buffer starts with room for the prompt and the start of the answer; a longer answer grows it, never past the
-    reservation. `release()` gives the buffer and the share back; it is safe to call more than once, from any thread.
+    reservation. A request that starts from shared prefixes (`start`) is admitted for what follows them only: once
+    `settle()` says they are filled, its buffer holds positions from `offset` on. `release()` gives the buffer, the
+    prefixes and the share back; it is safe to call more than once, from any thread.
     """
 
     def __init__(
-        self, buffers: KVBuffers | None, tokens: int, first_tokens: int, on_release: Callable[[], None]
+        self,
+        buffers: KVBuffers | None,
+        tokens: int,
+        first_tokens: int,
+        on_release: Callable[[int], None],
+        *,
+        start: PrefixStart | None = None,
+        on_resize: Callable[[int], None] | None = None,
     ) -> None:
         self.tokens = round_up(tokens)
-        self.nbytes = buffers.nbytes_for(tokens) if buffers is not None else 0
+        self.offset = 0  # positions held by shared prefixes, once settled; the buffer starts at this one
+        self.shared: tuple[torch.Tensor, ...] = ()  # their KV, root first (see attention.Segment)
+        self.shared_tiers: tuple[str, ...] = ()  # where each of their blocks was read from
         self._buffers = buffers
-        # A model whose cache is not per-token K and V keeps transformers' own cache: it has no buffer.
-        self._buffer = buffers.take(min(first_tokens, self.tokens), self.tokens) if buffers is not None else None
-        self._on_release: Callable[[], None] | None = on_release
+        self._start = start  # until settled
+        self._prefix: PrefixStart | None = None  # once settled
+        self.nbytes = buffers.nbytes_for(tokens - (start.end if start else 0)) if buffers is not None else 0
+        self._first = min(first_tokens, self.tokens)
+        self._buffer: torch.Tensor | None = None  # taken when first asked for, once the offset is known
+        self._on_release: Callable[[int], None] | None = on_release
+        self._on_resize = on_resize
         self._lock = threading.Lock()
 
     @property
     def buffer(self) -> torch.Tensor | None:
-        """Return the buffer (`[layers, 2, kv_heads, capacity, head_dim]`), or None for a model without one."""
-        return self._buffer
+        """Return the buffer (`[layers, 2, kv_heads, capacity, head_dim]`, position p at index p - offset), or None
+        for a model without one and after release."""
+        with self._lock:
+            if self._buffer is None and self._buffers is not None and self._on_release is not None:
+                assert self._start is None, "settle() before the buffer is first used"
+                own = self.tokens - self.offset
+                self._buffer = self._buffers.take(max(self._first - self.offset, 1), own)
+            return self._buffer
+
+    async def settle(self) -> int:
+        """Wait until the shared prefixes are filled; return the positions they hold. When a fill failed, the
+        request goes on from its own buffer alone, counted for its whole prompt (over the budget if need be: it was
+        admitted, and is not sent back to wait)."""
+        start = self._start
+        if start is None:
+            return 0
+        if await start.settle():
+            chain = start.prefix.chain()
+            with self._lock:
+                self.offset = start.end
+                self.shared = tuple(link.kv for link in chain)
+                self.shared_tiers = tuple(tier for link in chain for tier in link.tiers)
+                self._prefix, self._start = start, None
+            return self.offset
+        with self._lock:
+            self._start = None
+            old = self.nbytes
+            if self._buffers is not None:
+                self.nbytes = self._buffers.nbytes_for(self.tokens)
+        if self._on_resize is not None:
+            self._on_resize(self.nbytes - old)
+        return 0
 
     def load(self, blocks: Sequence[torch.Tensor]) -> None:
-        """Put `blocks` (block 0 first; the last may be partial) into the buffer's leading positions; blocks fetched
-        there already stay."""
-        assert self._buffer is not None, "only a model with KV buffers takes cached blocks"
+        """Put `blocks` (the first at position `offset`; the last may be partial) into the buffer's leading
+        positions; blocks fetched there already stay."""
+        buffer = self.buffer
+        assert buffer is not None, "only a model with KV buffers takes cached blocks"
         start = 0
         for block in blocks:
-            slot = self._buffer[:, :, :, start : start + block.shape[3]]
+            slot = buffer[:, :, :, start : start + block.shape[3]]
             if block.data_ptr() != slot.data_ptr() or block.stride() != slot.stride():
                 slot.copy_(block, non_blocking=True)
             start += block.shape[3]
 
     def ensure(self, tokens: int, filled: int) -> torch.Tensor:
-        """Return the buffer with room for `tokens` tokens, growing it (keeping its first `filled`) if needed."""
-        assert self._buffer is not None and self._buffers is not None, "no buffer to grow"
-        if tokens <= self._buffer.shape[3]:
-            return self._buffer
+        """Return the buffer with room for positions up to `tokens`, growing it (keeping positions up to `filled`)
+        if needed."""
+        buffer = self.buffer
+        assert buffer is not None and self._buffers is not None, "no buffer to grow"
+        need, kept = tokens - self.offset, filled - self.offset
+        if need <= buffer.shape[3]:
+            return buffer
         if tokens > self.tokens:
             raise RuntimeError(f"a request reserved {self.tokens} tokens of KV memory and needs {tokens}")
-        grown = self._buffers.take(min(max(tokens, 2 * self._buffer.shape[3]), self.tokens), self.tokens)
-        grown[:, :, :, :filled].copy_(self._buffer[:, :, :, :filled])
-        self._buffers.give_back(self._buffer)
+        own = self.tokens - self.offset
+        grown = self._buffers.take(min(max(need, 2 * buffer.shape[3]), own), own)
+        grown[:, :, :, :kept].copy_(buffer[:, :, :, :kept])
+        self._buffers.give_back(buffer)
         self._buffer = grown
         return grown
 
     def release(self) -> None:
-        """Give the buffer back for reuse and the share back to admission."""
+        """Give the buffer back for reuse, drop the shared prefixes, and give the share back to admission."""
         with self._lock:
             on_release, self._on_release = self._on_release, None
             buffer, self._buffer = self._buffer, None
+            start, self._start = self._start, None
+            prefix, self._prefix = self._prefix, None
+            self.shared = ()
         if on_release is None:
             return
         if buffer is not None and self._buffers is not None:
             self._buffers.give_back(buffer)
-        on_release()
+        for held in (start, prefix):
+            if held is not None:
+                held.release()
+        on_release(self.nbytes)
 
 
 def _nbytes(buffer: torch.Tensor) -> int:

@@ -57,6 +57,24 @@ def reuse_refusal(config: PretrainedConfig) -> str | None:
     return None
 
 
+def sharing_refusal(config: PretrainedConfig) -> str | None:
+    """Say why running requests of this model cannot read a shared prefix in place, or return None when they can.
+
+    Attention over a shared prefix is merged from parts by their log-sum-exp, which holds for full attention without
+    logit soft-capping; such models copy the prefix into each request's buffer instead (as every model did before).
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    windowed = sorted({t for t in layer_types if t in _WINDOW_LAYER_TYPES})
+    if windowed:
+        return f"its {' and '.join(windowed)} layers see a window of the prefix, not all of it"
+    if getattr(text, "attn_logit_softcapping", None):
+        return "its attention soft-caps scores, which do not merge by their log-sum-exp"
+    return None
+
+
 def check_blocks(blocks: Sequence[torch.Tensor], geometry: KVGeometry) -> None:
     """Raise BlockMismatchError unless every block has the geometry's shape and dtype; the last may be partial (fewer
     positions)."""

@@ -21,8 +21,10 @@ class StepInput:
     """One request's share of a packed step: the tokens to feed after what its buffer already holds."""
 
     token_ids: Sequence[int]
-    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim], filled up to `start`
+    kv: torch.Tensor  # kv: [layers, 2, kv_heads, capacity, head_dim], filled up to `start`; position p at p - offset
     start: int
+    offset: int = 0  # positions held in `shared` instead of `kv`
+    shared: tuple[torch.Tensor, ...] = ()  # the shared prefixes it starts from, root first (see attention.Segment)
 
 
 class ModelRunner:
@@ -61,7 +63,8 @@ class ModelRunner:
         Each input's new K and V land in its buffer at positions `[start, start + len(token_ids))`.
         """
         assert self._takes_logits_to_keep, "packed steps need logits_to_keep (every packed model has it)"
-        batch = PackedBatch.of(tuple(Segment(i.kv, i.start, len(i.token_ids)) for i in inputs))
+        segments = tuple(Segment(i.kv, i.start, len(i.token_ids), i.offset, i.shared) for i in inputs)
+        batch = PackedBatch.of(segments, self.device)
         ids = [token for i in inputs for token in i.token_ids]
         positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]

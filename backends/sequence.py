@@ -57,6 +57,7 @@ class SequencePlan:
     known_blocks: int  # whole blocks the caller already has (passed in), never handed back again
     prefill_end: int  # prompt tokens to have in the cache when prefill ends
     block_size: int
+    shared: int = 0  # leading positions read from shared prefixes (the memory's offset); cached_blocks follow them
 
 
 class Sequence:
@@ -80,7 +81,8 @@ class Sequence:
         self._decoding = decoding
         self._on_block = on_block
         self._pending_blocks: Seq[torch.Tensor] = plan.cached_blocks
-        self.start = sum(block.shape[3] for block in plan.cached_blocks)  # tokens served from the cache
+        assert plan.shared == memory.offset, "the plan was made for the memory's shared prefixes"
+        self.start = plan.shared + sum(block.shape[3] for block in plan.cached_blocks)  # tokens served from the cache
         self.computed = self.start  # tokens whose K and V are in the cache
         self._next_block = self.start // plan.block_size  # a partial block is completed here, and handed back
         # transformers' own cache, for a model without KV buffers (it runs alone, a whole prompt in one pass).
@@ -190,9 +192,10 @@ class Sequence:
         buffer = self.memory.buffer
         if self._on_block is None or buffer is None or not filled:
             return
+        first = index * size - self.memory.offset  # the buffer starts at the memory's offset
         with torch.inference_mode(False):
             kv = buffer.new_zeros((*buffer.shape[:3], size, buffer.shape[4]))  # kv: [layers, 2, kv_heads, block, hd]
-            kv[:, :, :, :filled] = buffer[:, :, :, index * size : self.computed]
+            kv[:, :, :, :filled] = buffer[:, :, :, first : first + filled]
         self._on_block(index, self.tokens[index * size : self.computed], kv)
 
     def _hand_back_blocks(self) -> None:
@@ -208,6 +211,7 @@ class Sequence:
             assert buffer is not None, "only a model with KV buffers hands back blocks"
             # Outside inference mode the copy is an ordinary tensor, which a store may later write to in place; an
             # inference tensor would refuse that. The copy is never a view into the live cache.
+            first = index * size - self.memory.offset  # the buffer starts at the memory's offset
             with torch.inference_mode(False):
-                kv = buffer[:, :, :, index * size : (index + 1) * size].clone()  # kv: [layers, 2, kv_heads, block, hd]
+                kv = buffer[:, :, :, first : first + size].clone()  # kv: [layers, 2, kv_heads, block, hd]
             self._on_block(index, self.tokens[index * size : (index + 1) * size], kv)

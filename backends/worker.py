@@ -199,9 +199,10 @@ class Worker:
             inputs = []
             for item in plan:
                 token_ids = item.seq.feed(item.tokens)
-                buffer = item.seq.memory.buffer
+                memory = item.seq.memory
+                buffer = memory.buffer
                 assert buffer is not None, "packed steps run in KV buffers"
-                inputs.append(StepInput(token_ids, buffer, item.seq.computed))
+                inputs.append(StepInput(token_ids, buffer, item.seq.computed, memory.offset, memory.shared))
             return self._runner.run(inputs)
         (item,) = plan
         seq = item.seq

@@ -57,9 +57,17 @@ class Stream:
         return [b - a for a, b in itertools.pairwise(inside)]
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running server: its base URL and its process id."""
+
+    url: str
+    pid: int
+
+
 @contextlib.asynccontextmanager
-async def served(executable: str, *flags: str) -> AsyncIterator[str]:
-    """Run `prefixgate serve` (store in memory) on a free local port; yield its base URL once it answers."""
+async def served(executable: str, *flags: str) -> AsyncIterator[Served]:
+    """Run `prefixgate serve` (store in memory) on a free local port; yield it once it answers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -76,7 +84,7 @@ async def served(executable: str, *flags: str) -> AsyncIterator[str]:
                         if response.status == 200:
                             break
                 await asyncio.sleep(0.2)
-        yield url
+        yield Served(url, process.pid)
     finally:
         process.terminate()
         process.wait()
@@ -219,7 +227,8 @@ async def main() -> None:
     if args.batches:
         limit = BatchedForward()
         rows = []
-        async with served(args.prefixgate) as url:
+        async with served(args.prefixgate) as server:
+            url = server.url
             await concurrent_streams(url, 2)  # warm up
             for count in args.batches:
                 # Each round measures the limit (the server idle) just before the streams, so the machine's drift
@@ -247,7 +256,8 @@ async def main() -> None:
     if args.budgets:
         rows = []
         for index, budget in enumerate(args.budgets):
-            async with served(args.prefixgate, "--interleaved-prefill-tokens", str(budget)) as url:
+            async with served(args.prefixgate, "--interleaved-prefill-tokens", str(budget)) as server:
+                url = server.url
                 await concurrent_streams(url, 2)  # warm up
                 # Two prompts of the same length that share no prefix: each is computed whole.
                 idle, during, ttft = await prefill_beside_streams(url, long_prompt(2 * index), idle_seconds=3.0)

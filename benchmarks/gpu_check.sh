@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with CUDA, run every test marked `cuda` (the store's tiers on the GPU, batched and
-# cache-started requests, the engine serving from the device tier), then the time-to-first-token benchmark on the
+# cache-started requests, requests reading one shared prefix, the engine serving from the device tier), then the time-to-first-token benchmark on the
 # GPU, and print one table. About 5 minutes; each part has a time limit, so the whole stays under 8.
 #
 #   benchmarks/gpu_check.sh                 # with the .venv that the README's test command makes

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from prefixgate.backends import Backend, BlockCallback, SamplingParams, TokenChunk
+from prefixgate.backends import Backend, BlockCallback, KVReservation, SamplingParams, TokenChunk
 from prefixgate.backends.backend import check_context
+from prefixgate.backends.shared_prefix import PrefixStart
 from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -35,6 +36,7 @@ from prefixgate.proxy.statistics import EngineStats
 from prefixgate.store import (
     Block,
     BlockKey,
+    HeldRun,
     Namespace,
     PrefixHit,
     TieredStore,
@@ -235,16 +237,21 @@ class Engine:
         started = time.perf_counter()
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
         prepared = await self.prepare(request)
-        # Admission first (the context check, then a share of KV memory), so nothing is allocated for a request
-        # that cannot run; then the prefix is fetched straight into the memory the request's cache will run in.
+        # The context check first, so nothing is done for a request that cannot run; then the cached prefix is found,
+        # read from a shared copy or fetched into one, and the request admitted for the rest of its KV memory, into
+        # which the rest of the cached prefix is fetched.
+        check_context(self.backend.context_length, len(prepared.token_ids), request.params.max_tokens)
+        held, owned = await self._claim(prepared)
+        reservation: KVReservation | None = None
         try:
-            reservation = await self.backend.reserve(len(prepared.token_ids), request.params.max_tokens)
-        except OverloadedError:
-            self.stats.count_rejected()
-            raise
-        owned: list[BlockKey] = []
-        try:
-            hit, owned = await self._claim(prepared, reservation.buffer)
+            start = await self._start(prepared, held)
+            # Takes the start over: it lets go of it when the request ends, or at once if it is refused.
+            reservation = await self.backend.reserve(len(prepared.token_ids), request.params.max_tokens, start=start)
+            hit = await self._load(prepared, reservation)
+            # Blocks the load found after all (in the remote tier, or filed meanwhile) are nobody's to compute.
+            found = set(prepared.keys[: len(hit.tiers)])
+            self._release([key for key in owned if key in found])
+            owned = [key for key in owned if key not in found]
             stream = self.backend.generate(
                 prepared.token_ids,
                 hit.kv,
@@ -253,8 +260,13 @@ class Engine:
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
             )
         except BaseException as error:
-            reservation.release()
-            self._fail(owned, error)
+            if reservation is not None:
+                reservation.release()
+            if isinstance(error, OverloadedError):
+                self.stats.count_rejected()
+                self._release(owned)
+            else:
+                self._fail(owned, error)
             raise
         try:
             # The blocks are the request's cache now: keep only where they came from.
@@ -395,34 +407,67 @@ class Engine:
 
     # -- the cache ----------------------------------------------------------------------------------------------
 
-    async def _claim(self, prepared: PreparedPrompt, buffer: torch.Tensor | None) -> tuple[PrefixHit, list[BlockKey]]:
-        """Fetch the cached prefix (into `buffer`); wait for blocks another request is computing; claim the rest.
+    async def _claim(self, prepared: PreparedPrompt) -> tuple[HeldRun, list[BlockKey]]:
+        """Find the cached prefix held here, after waiting for blocks another request is computing; claim the rest.
 
         Two requests sharing an uncached prefix compute it once: the second waits for the first's blocks.
         """
         keys = prepared.keys[: prepared.reusable]
+        if not self.backend.prefix_reuse:
+            return HeldRun(0, ()), []
         while True:
-            if self.backend.prefix_reuse:
-                hit = await asyncio.to_thread(self._fetch, prepared, buffer)
-            else:
-                hit = PrefixHit(keys, (), self.backend.geometry.block_size)
-            first_missing = len(hit.blocks)
-            last_inflight = first_missing
+            held = await asyncio.to_thread(self.store.held, prepared.namespace, prepared.token_ids)
+            last_inflight = held.blocks
             while last_inflight < len(keys) and keys[last_inflight] in self._inflight:
                 last_inflight += 1
-            if last_inflight == first_missing or not self.backend.prefix_reuse:
+            if last_inflight == held.blocks:
                 break
             await asyncio.shield(self._inflight[keys[last_inflight - 1]])
+        # Claimed with no await since the look, so a request arriving meanwhile waits for these blocks.
         loop = asyncio.get_running_loop()
-        owned = [key for key in keys[first_missing:] if key not in self._inflight]
+        owned = [key for key in keys[held.blocks :] if key not in self._inflight]
         for key in owned:
             self._inflight[key] = loop.create_future()
-        return hit, owned
+        return held, owned
 
-    def _fetch(self, prepared: PreparedPrompt, buffer: torch.Tensor | None) -> PrefixHit:
-        """Fetch the cached prefix into `buffer`; extend the retention of the blocks the request's breakpoints cover."""
-        hit = self.store.fetch(prepared.namespace, prepared.token_ids, buffer)
-        self._retain(prepared, len(hit.blocks))
+    async def _start(self, prepared: PreparedPrompt, held: HeldRun) -> PrefixStart | None:
+        """Start from the shared prefix of the held blocks, filling it from the store when this request made it."""
+        start = self.backend.start_prefix(prepared.keys[: held.blocks], held.forks)
+        if start is not None and start.fill is not None:
+            try:
+                await asyncio.to_thread(self._fill, prepared, start)  # reports the fill even if this request goes
+            except BaseException:
+                start.release()
+                raise
+        return start
+
+    async def _load(self, prepared: PreparedPrompt, reservation: KVReservation) -> PrefixHit:
+        """Wait for the shared prefixes the request reads, then fetch the rest of its cached prefix into its buffer."""
+        if not self.backend.prefix_reuse:
+            return PrefixHit(prepared.keys[: prepared.reusable], (), self.backend.geometry.block_size)
+        shared = await reservation.settle()
+        block_size = self.backend.geometry.block_size
+        hit = await asyncio.to_thread(self._fetch, prepared, reservation.buffer, shared // block_size)
+        return replace(hit, tiers=reservation.shared_tiers + hit.tiers)
+
+    def _fill(self, prepared: PreparedPrompt, start: PrefixStart) -> None:
+        """Fetch a new shared prefix's blocks into it and report how far that got, whatever happens."""
+        fill = start.fill
+        assert fill is not None
+        tiers: tuple[str, ...] = ()
+        try:
+            found = self.store.fetch(
+                prepared.namespace, prepared.token_ids, fill.kv, start=fill.first_block, stop=fill.blocks
+            )
+            tiers = found.tiers
+        finally:
+            start.filled(tiers)
+
+    def _fetch(self, prepared: PreparedPrompt, buffer: torch.Tensor | None, start: int = 0) -> PrefixHit:
+        """Fetch the cached prefix after its first `start` blocks into `buffer`; extend the retention of the blocks
+        the request's breakpoints cover."""
+        hit = self.store.fetch(prepared.namespace, prepared.token_ids, buffer, start=start)
+        self._retain(prepared, start + len(hit.blocks))
         return hit
 
     def _retain(self, prepared: PreparedPrompt, blocks: int) -> None:

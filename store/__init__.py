@@ -11,6 +11,7 @@ from prefixgate.store.block import Block, BlockLayout, Keep
 from prefixgate.store.keys import FORMAT_VERSION, BlockKey, Namespace, chain_keys, shared_prefix, tail_key
 from prefixgate.store.tier import EntryInfo, Tier, TierStats
 from prefixgate.store.tiered_store import (
+    HeldRun,
     PartialBlock,
     PrefixHit,
     PrefixMatch,
@@ -26,6 +27,7 @@ __all__ = [
     "BlockKey",
     "BlockLayout",
     "EntryInfo",
+    "HeldRun",
     "Keep",
     "Namespace",
     "PartialBlock",

@@ -88,6 +88,16 @@ class PartialBlock:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldRun:
+    """The leading blocks of a prompt the local tiers hold, and the forks in them."""
+
+    blocks: int
+    # Block indices where prompts held here depart from this one: block i - 1 has more than one whole block after
+    # it. The place to end a prefix that several prompts share.
+    forks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Where the cached prefix of a prompt lies: the tier of each leading block present, without loading any."""
 
@@ -256,47 +266,96 @@ class TieredStore:
         partial = self._continuation(keys, len(tiers), tokens, following)
         return PrefixMatch(keys, tuple(tiers), self.layout.block_size, partial)
 
-    def fetch(self, namespace: Namespace, tokens: Sequence[int], out: torch.Tensor | None = None) -> PrefixHit:
+    def fetch(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        out: torch.Tensor | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> PrefixHit:
         """Load and verify the prompt's cached prefix, promoting blocks found below the top tier.
 
         The prefix is assembled in one tensor, one copy per block, and each block's tensor is a view into it: into
         the leading positions of `out` (`[layers, 2, kv_heads, capacity, head_dim]` on the store's device, such as
         a buffer the backend lends, with room for all the prompt's tokens but its last) when given, else into a new
         tensor. After the whole blocks, the leading positions of a partial block may follow (`PrefixHit.partial`).
+
+        `start` whole blocks are the caller's already (read from elsewhere, never fetched): `out` then begins at
+        block `start`, and the hit's tiers and blocks name the fetched ones only. With `stop`, whole blocks up to
+        block `stop` (not included) are fetched, and nothing after them.
         """
         self.expire()
         size = self.layout.block_size
         keys = self.reusable_keys(namespace, tokens)
+        wanted = keys[: len(keys) if stop is None else stop]
         blocks: list[Block] = []
         tiers: list[str] = []
         layers, two, heads, _, head_dim = self.layout.shape
-        reach = max(len(tokens) - 1, 0)  # the most a prefix may cover: the last token is always computed
+        # The most a prefix may cover: the last token is always computed.
+        reach = max(len(tokens) - 1, 0) if stop is None else len(wanted) * size
+        reach -= start * size
         if out is None:
             out = torch.empty(
                 (layers, two, heads, reach, head_dim), dtype=self.layout.dtype, device=self.device
             )  # out: [layers, 2, kv_heads, tokens, head_dim]
         else:
             self._check_out(out, reach)
-        for index, key in enumerate(keys):
-            slot = out[:, :, :, index * size : (index + 1) * size]
-            found = self._get(key, tokens[index * size : (index + 1) * size], slot)
+        for index in range(start, len(wanted)):
+            slot = out[:, :, :, (index - start) * size : (index - start + 1) * size]
+            found = self._get(wanted[index], tokens[index * size : (index + 1) * size], slot)
             if found is None:
                 break
             blocks.append(found[0])
             tiers.append(found[1].name)
         following = None
-        if self.remote is not None and len(blocks) < len(keys):
-            start = len(blocks)
-            parent = keys[start - 1] if start else None
+        run = start + len(blocks)
+        if self.remote is not None and run < len(wanted):
+            parent = keys[run - 1] if run else None
             remote = self.remote.get_chain(
-                keys[start:], tokens[start * size :], out[:, :, :, start * size :], parent=parent
+                wanted[run:], tokens[run * size :], out[:, :, :, (run - start) * size :], parent=parent
             )
             self._promote_remote(remote.blocks)
             blocks += [found.block for found in remote.blocks]
             tiers += [self.remote.name] * remote.run
             following = remote.following
-        partial, partial_kv = self._load_continuation(keys, len(blocks), tokens, out, following)
+        if stop is not None:
+            return PrefixHit(keys, tuple(tiers), size, None, tuple(blocks))
+        run = start + len(blocks)
+        after = out[:, :, :, (run - start) * size :]  # after: [layers, 2, kv_heads, positions past the run, head_dim]
+        partial, partial_kv = self._load_continuation(keys, run, tokens, after, following)
         return PrefixHit(keys, tuple(tiers), size, partial, tuple(blocks), partial_kv)
+
+    def held(self, namespace: Namespace, tokens: Sequence[int]) -> HeldRun:
+        """Return how many of the prompt's leading reusable blocks the local tiers hold, and where other prompts
+        held here depart from it, asking no remote tier.
+
+        Each block found in memory counts as a use there: a request that reads it from a copy already in memory
+        (a shared prefix) uses it as much as one that fetches it, and the policy should know.
+        """
+        self.expire()
+        keys = self.reusable_keys(namespace, tokens)
+        size = self.layout.block_size
+        blocks = 0
+        forks: list[int] = []
+        for key in keys:
+            tier = self._locate(key)
+            if tier is None:
+                break
+            if not tier.persistent:
+                with self._lock:
+                    tier.touch(key)
+            blocks += 1
+        for index in range(1, blocks + 1):
+            # A fork: the block before has another whole block after it (a tail, a partial last block, is not one).
+            children: set[BlockKey] = set()
+            for tier in self.tiers:
+                with self._lock if not tier.persistent else contextlib.nullcontext():
+                    children.update(key for key, ids in tier.children(keys[index - 1]) if len(ids) == size)
+            if len(children) > 1:
+                forks.append(index)
+        return HeldRun(blocks, tuple(forks))
 
     def _continuation(
         self,
@@ -336,14 +395,14 @@ class TieredStore:
         out: torch.Tensor,
         following: Sequence[Continuation] | None,
     ) -> tuple[PartialBlock | None, torch.Tensor | None]:
-        """Copy the best partial block's shared positions into `out` after the run; return it and their view."""
+        """Copy the best partial block's shared positions into `out` (which starts where the run ends); return it and
+        their view."""
         partial = self._continuation(keys, run, tokens, following)
         if partial is None or not partial.tokens:
             return partial, None
-        size = self.layout.block_size
-        start = run * size
+        start = run * self.layout.block_size
         shared = tuple(tokens[start : start + partial.tokens])
-        view = out[:, :, :, start : start + partial.tokens]  # view: [layers, 2, kv_heads, partial, head_dim]
+        view = out[:, :, :, : partial.tokens]  # view: [layers, 2, kv_heads, partial, head_dim]
         if self.remote is not None and partial.tier == self.remote.name:
             block = self.remote.get_block(partial.key, shared)  # verified there: checksum and tokens
             if block is None:

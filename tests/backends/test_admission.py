@@ -110,7 +110,7 @@ async def test_the_backend_queues_a_request_until_a_running_one_ends(make_backen
 async def test_each_request_reserves_its_prompt_and_max_tokens(make_backend: BackendFactory) -> None:
     backend = make_backend()
     reservation = await backend.reserve(300, 100)
-    assert reservation.tokens == 512 and reservation.nbytes == 512 * TOKEN_BYTES
+    assert reservation.tokens == 448 and reservation.nbytes == 448 * TOKEN_BYTES  # whole blocks of 64 tokens
     assert backend.admission().bytes_in_use == reservation.nbytes
     reservation.release()
     assert backend.admission().bytes_in_use == 0
@@ -119,7 +119,7 @@ async def test_each_request_reserves_its_prompt_and_max_tokens(make_backend: Bac
 async def test_the_kv_budget_bounds_running_requests_and_the_rest_wait(
     make_backend: BackendFactory, steps: list[StepRecord]
 ) -> None:
-    budget = 3 * 256 * TOKEN_BYTES  # room for three requests of under 256 tokens each
+    budget = 3 * 64 * TOKEN_BYTES  # room for three requests of under 64 tokens each
     backend = make_backend(kv_memory_budget=budget, on_step=steps.append)
     params = SamplingParams(max_tokens=20, temperature=0.0)
     results = await asyncio.gather(*(collect(backend, make_prompt(40, offset), params=params) for offset in range(8)))

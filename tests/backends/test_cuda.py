@@ -1,5 +1,6 @@
-"""On a GPU: packed steps batch requests on CUDA, start them from cached blocks, and the engine serves from a device
-tier. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where there is one."""
+"""On a GPU: packed steps batch requests on CUDA, start them from cached blocks and from one shared prefix, and the
+engine serves from a device tier. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where
+there is one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import BlockSink, collect
 from tests.backends.test_batching import LONGER, PROMPTS, alone
+from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.test_shared_prefix import run_shared
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 GPU = torch.device("cuda")
@@ -59,6 +62,20 @@ async def test_a_request_on_the_gpu_starts_from_its_cached_blocks(
     warm = await collect(backend, prompt, blocks=sink.blocks[: (len(prompt) - 1) // 8])
     assert warm.token_ids == cold.token_ids
     assert sum(step.tokens("prefill") for step in steps) < len(prompt), "the cached blocks were not computed again"
+
+
+async def test_requests_on_the_gpu_read_one_shared_prefix_and_get_the_tokens_each_gets_alone(
+    make_backend: BackendFactory, gpu_llama: PreTrainedModel
+) -> None:
+    backend = make_backend(gpu_llama, min_shared_tokens=16)
+    assert backend.sharing_refusal is None
+    prompts = [make_prompt(40)[:32] + make_prompt(9 + i, offset=5 * i)[-(9 + i) :] for i in range(4)]
+    expected = [(await collect(backend, prompt)).token_ids for prompt in prompts]
+    sink = BlockSink()
+    await collect(backend, prompts[0], on_block=sink)
+    together = await asyncio.gather(*(run_shared(backend, prompt, sink.blocks[:4]) for prompt in prompts))
+    assert together == expected
+    assert backend.admission().shared_prefixes == 0 and backend.admission().bytes_in_use == 0
 
 
 @pytest.fixture

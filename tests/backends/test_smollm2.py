@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from prefixgate.backends import EMBEDDED_MODEL, HFBackend, SamplingParams, StepRecord, resolve_model
+from prefixgate.backends import EMBEDDED_MODEL, HFBackend, SamplingParams, StepRecord, TokenChunk, resolve_model
 from prefixgate.backends.model_resolver import embedded_gguf_path
 from tests.backends.streams import BlockSink, collect
+from tests.backends.test_shared_prefix import start_shared
 
 pytestmark = pytest.mark.smollm2
 
@@ -122,3 +123,23 @@ async def test_questions_answered_together_get_the_answers_each_gets_alone(smoll
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
     assert "Paris" in together[0].text
     assert max(len(step.seq_ids()) for step in _steps) == 4, "the four shared forward passes"
+
+
+async def test_questions_reading_one_shared_system_prompt_get_the_answers_each_gets_alone(smollm2: HFBackend) -> None:
+    system = {"role": "system", "content": long_system_prompt()}
+    questions = ["What is the capital of France?", "What is the capital of Italy?", "Name a large ocean."]
+    prompts = [smollm2.render_chat([system, {"role": "user", "content": q}]) for q in questions]
+    alone = [await collect(smollm2, prompt, params=ANSWER) for prompt in prompts]
+    sink = BlockSink()
+    await collect(smollm2, prompts[0], params=ANSWER, on_block=sink)
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b) // 64
+    reservations = [await start_shared(smollm2, prompt, sink.blocks[:shared], ANSWER.max_tokens) for prompt in prompts]
+    assert smollm2.admission().shared_prefixes == 1 and all(r.offset == shared * 64 for r in reservations)
+    streams = [smollm2.generate(p, [], ANSWER, reservation=r) for p, r in zip(prompts, reservations, strict=True)]
+
+    async def tokens(stream: AsyncIterator[TokenChunk]) -> list[int]:
+        return [chunk.token_id async for chunk in stream]
+
+    together = await asyncio.gather(*(tokens(stream) for stream in streams))
+    assert together == [g.token_ids for g in alone]
+    assert smollm2.admission().shared_prefixes == 0

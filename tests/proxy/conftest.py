@@ -51,7 +51,11 @@ def llama(tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
 
 
 def tiny_engine(
-    settings: Settings, tokenizer: PreTrainedTokenizerFast, model: PreTrainedModel, steps: list[StepRecord]
+    settings: Settings,
+    tokenizer: PreTrainedTokenizerFast,
+    model: PreTrainedModel,
+    steps: list[StepRecord],
+    **backend_options: Any,
 ) -> Engine:
     """Return an engine on the tiny Llama (8-token blocks, 16-token prefill chunks) and the settings' store."""
     backend = HFBackend(
@@ -66,6 +70,7 @@ def tiny_engine(
         max_waiting=settings.max_waiting,
         kv_buffer_budget=int(settings.kv_buffer_budget),
         on_step=steps.append,
+        **backend_options,
     )
     geometry = backend.geometry
     config = store_config(settings, backend.device)

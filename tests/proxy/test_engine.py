@@ -13,11 +13,12 @@ import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, SamplingParams, StepRecord
+from prefixgate.backends.shared_prefix import PrefixStart
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import Block, BlockLayout, StoreConfig, TierConfig, TieredStore, shared_prefix
-from tests.proxy.conftest import HANG_GUARD_SECONDS, on_event_loop, tiny_engine
+from tests.proxy.conftest import HANG_GUARD_SECONDS, HeldSteps, on_event_loop, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 8
@@ -72,8 +73,8 @@ async def test_each_request_runs_in_the_buffer_it_reserved_cold_or_warm(
     reserve = engine.backend.reserve
     reserved: list[KVReservation] = []
 
-    async def recorded_reserve(prompt_tokens: int, max_tokens: int) -> KVReservation:
-        reserved.append(await reserve(prompt_tokens, max_tokens))
+    async def recorded_reserve(prompt_tokens: int, max_tokens: int, **options: Any) -> KVReservation:
+        reserved.append(await reserve(prompt_tokens, max_tokens, **options))
         return reserved[-1]
 
     engine.backend.reserve = recorded_reserve  # type: ignore[method-assign]
@@ -198,24 +199,24 @@ async def test_a_request_right_after_the_one_that_computed_its_prefix_waits_for_
 ) -> None:
     engine, _ = engine_and_steps
     store = engine.store
-    filed, fetched = threading.Event(), threading.Event()
-    put, fetch = store.put, store.fetch
+    filed, looked = threading.Event(), threading.Event()
+    put, held = store.put, store.held
 
     def slow_put(blocks: Sequence[Block], **keep: Any) -> int:
         filed.wait(HANG_GUARD_SECONDS)  # the filer is behind: nothing is stored until the test lets it go
         return put(blocks, **keep)
 
-    def watched_fetch(*args: Any) -> Any:
-        found = fetch(*args)
-        fetched.set()
+    def watched_held(*args: Any) -> Any:
+        found = held(*args)
+        looked.set()
         return found
 
     monkeypatch.setattr(store, "put", slow_put)
-    monkeypatch.setattr(store, "fetch", watched_fetch)
+    monkeypatch.setattr(store, "held", watched_held)
     first = await engine.complete(chat("What is the capital of France?"))  # ended; its blocks wait for the filer
-    fetched.clear()
+    looked.clear()
     second = asyncio.create_task(engine.complete(chat("What is the capital of France?")))
-    assert await asyncio.to_thread(fetched.wait, HANG_GUARD_SECONDS)  # it looked, and found nothing stored yet
+    assert await asyncio.to_thread(looked.wait, HANG_GUARD_SECONDS)  # it looked, and found nothing stored yet
     filed.set()
     assert (await second).usage.cached_tokens == first.usage.prompt_tokens - 1  # it waited for them
 
@@ -286,4 +287,55 @@ async def test_a_follow_up_turn_reuses_the_previous_prompt_and_answer_up_to_the_
         async with alone:
             assert [chunk.token_id async for chunk in alone] == reused and alone.cached_tokens == 0
     finally:
+        await engine.close()
+
+
+async def test_warm_arrivals_at_once_read_one_copy_of_their_prefix_filled_once_and_answer_as_alone(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = HeldSteps()
+    engine = tiny_engine(load_settings(store=tmp_path / "store"), tokenizer, llama, steps, min_shared_tokens=16)
+    questions = [f"Question {index}: what is the capital of France?" for index in range(4)]
+    try:
+        alone = [await engine.complete(chat(question)) for question in questions]
+        # Each cached its whole prompt: the system prompt's blocks now fork into four questions.
+        fills: list[tuple[int, int]] = []  # the blocks each fill fetched: from, to
+        loaded = 0
+        all_loaded = asyncio.Event()
+        fill, load = engine._fill, engine._load
+
+        def counting_fill(prepared: PreparedPrompt, start: PrefixStart) -> None:
+            assert start.fill is not None
+            fills.append((start.fill.first_block, start.fill.blocks))
+            fill(prepared, start)
+
+        async def counting_load(*args: Any) -> Any:
+            nonlocal loaded
+            hit = await load(*args)
+            loaded += 1
+            if loaded == len(questions):
+                all_loaded.set()
+            return hit
+
+        monkeypatch.setattr(engine, "_fill", counting_fill)
+        monkeypatch.setattr(engine, "_load", counting_load)
+        steps.hold_kind = "prefill"  # the first to run waits, holding the prefix, until every arrival has its own
+        together = asyncio.gather(*(engine.complete(chat(question)) for question in questions))
+        await steps.held()
+        await asyncio.wait_for(all_loaded.wait(), HANG_GUARD_SECONDS)
+        assert engine.backend.admission().shared_prefixes == len(fills)
+        steps.released.set()
+        answers = await together
+        assert [answer.text for answer in answers] == [answer.text for answer in alone]
+        system_blocks = shared_prefix(*[(await engine.prepare(chat(q))).token_ids for q in questions[:2]]) // 8
+        # One copy of the system prompt, up to where the questions depart, filled once; each question's own cached
+        # blocks after it are a prefix of their own, read on from that one.
+        assert sorted(fills)[0] == (0, system_blocks)
+        assert all(start == system_blocks for start, _ in sorted(fills)[1:])
+        # The rest of each prompt, its question's blocks and the last one's leading tokens, came from the store.
+        assert [answer.usage.cached_tokens for answer in answers] == [a.usage.prompt_tokens - 1 for a in alone]
+        stats = engine.backend.admission()
+        assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
+    finally:
+        steps.released.set()
         await engine.close()

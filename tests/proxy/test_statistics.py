@@ -56,6 +56,8 @@ def test_every_metric_has_a_type_a_help_text_and_vllms_name_where_one_exists() -
         "prefixgate_prefill_seconds_saved": "counter",
         "prefixgate_kv_memory_bytes": "gauge",
         "prefixgate_kv_memory_budget_bytes": "gauge",
+        "prefixgate_kv_shared_prefixes": "gauge",
+        "prefixgate_kv_shared_bytes": "gauge",
         "prefixgate_store_entries": "gauge",
         "prefixgate_store_bytes": "gauge",
         "prefixgate_store_capacity_bytes": "gauge",
@@ -110,12 +112,23 @@ def test_time_to_first_token_buckets_are_cumulative_and_count_every_request() ->
 
 
 def test_admission_gauges_and_store_metrics_by_tier() -> None:
-    busy = AdmissionStats(running=3, waiting=5, bytes_in_use=600, budget_bytes=1000, max_running=8, max_waiting=12)
+    busy = AdmissionStats(
+        running=3,
+        waiting=5,
+        bytes_in_use=600,
+        budget_bytes=1000,
+        max_running=8,
+        max_waiting=12,
+        shared_prefixes=1,
+        shared_bytes=256,
+    )
     families = metric_families(render(EngineStats(), admission=busy))
     assert sample(families, "prefixgate_num_requests_running", model_name=MODEL_NAME) == 3
     assert sample(families, "prefixgate_num_requests_waiting", model_name=MODEL_NAME) == 5
     assert sample(families, "prefixgate_kv_memory_bytes") == 600
     assert sample(families, "prefixgate_kv_memory_budget_bytes") == 1000
+    assert sample(families, "prefixgate_kv_shared_prefixes") == 1
+    assert sample(families, "prefixgate_kv_shared_bytes") == 256
     # The store knows no models: its metrics carry the tier only.
     assert [found.labels for found in families["prefixgate_store_entries"].samples] == [
         {"tier": "host"},

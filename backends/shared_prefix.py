@@ -1,0 +1,196 @@
+"""Shared prefixes: one copy in memory of a cached prefix that running requests start from, read by all of them.
+
+A prompt's cached blocks are fetched once into a shared prefix, and every running request whose prompt starts with
+the same blocks reads it in place: its own KV buffer holds only what follows, and attention over the prefix runs once
+per step for all its readers (`attention.py`). A shared prefix may extend another (a system prompt shared by all, a
+document after it shared by some): each holds its own positions only and is read by the readers of every prefix that
+extends it.
+
+Life of one: the first request that needs it creates it, empty, and fills it from the store before it is admitted
+itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Admission counts a shared
+prefix once, from its creation, and only if it fits the budget then (else the request copies the blocks into its own
+buffer, as before sharing); each request is admitted for its own tokens. Each reader holds a reference, a prefix
+extending it holds one, and so does the fill while it writes. When the last goes, the memory goes back to the KV
+buffers and its bytes back to admission. The store keeps its own copy of the blocks: a flush or eviction there never
+touches what running requests read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from prefixgate.backends.kv_buffers import KVBuffers, round_up
+
+# Fewer cached blocks than this are copied into the request's own buffer: a shared prefix costs a call and a merge
+# per layer and step, which a short one does not repay (a quarter of SmolLM2's 4k-token prefix is 16 blocks).
+MIN_SHARED_TOKENS = 256
+
+
+class SharedPrefix:
+    """One run of cached blocks in memory, after its parent's, read in place by the requests that start with it."""
+
+    def __init__(
+        self, key: Hashable, parent: SharedPrefix | None, blocks: int, block_size: int, raw: torch.Tensor
+    ) -> None:
+        self.key = key  # the id of its last block: chained ids name every block before it too
+        self.parent = parent
+        self.blocks: int = blocks  # blocks from position 0 through its own
+        self.first_block: int = parent.blocks if parent is not None else 0
+        self.start = self.first_block * block_size  # positions before it, held by its parents
+        self.tokens = (blocks - self.first_block) * block_size
+        self.kv = raw[:, :, :, : self.tokens]  # kv: [layers, 2, kv_heads, tokens, head_dim]
+        self.raw = raw
+        self.tiers: tuple[str, ...] = ()  # where each of its blocks was read from, once filled
+        self.filled: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self.references = 0
+        self.charged = 0  # bytes admission counts for it, from its creation to its end
+
+    @property
+    def end(self) -> int:
+        """Return the position after its last: a reader's own buffer starts there."""
+        return self.start + self.tokens
+
+    def chain(self) -> tuple[SharedPrefix, ...]:
+        """Return it and its parents, the root first."""
+        chain: list[SharedPrefix] = []
+        prefix: SharedPrefix | None = self
+        while prefix is not None:
+            chain.append(prefix)
+            prefix = prefix.parent
+        return tuple(reversed(chain))
+
+
+class PrefixStart:
+    """A request's start from shared prefixes: the longest one it reads (referenced), and the new one it must fill."""
+
+    def __init__(self, prefixes: SharedPrefixes, prefix: SharedPrefix, fill: SharedPrefix | None) -> None:
+        self.prefix = prefix
+        self.fill = fill  # fill it from the store (its blocks `first_block` to `blocks`), then call `filled`
+        self._prefixes = prefixes
+        self._held = True
+
+    @property
+    def end(self) -> int:
+        """Return the positions the shared prefixes hold once filled: the request's own buffer starts there."""
+        return self.prefix.end
+
+    def filled(self, tiers: Sequence[str]) -> None:
+        """Report the fill: `tiers` names where each block came from; fewer names than blocks fail the prefix."""
+        assert self.fill is not None, "only the request that created a prefix fills it"
+        fill, self.fill = self.fill, None
+        self._prefixes.filled(fill, tiers)
+
+    async def settle(self) -> bool:
+        """Wait until every prefix read is filled; return whether all of them were (else the start is released)."""
+        ok = [await asyncio.wrap_future(link.filled) for link in self.prefix.chain()]
+        if not all(ok):
+            self.release()
+        return all(ok)
+
+    def release(self) -> None:
+        """Let go of the prefixes, once. A fill is reported by its filler alone, whatever happens to the request:
+        it holds a reference of its own while it writes."""
+        if self._held:
+            self._held = False
+            self._prefixes.release(self.prefix)
+
+
+class SharedPrefixes:
+    """The shared prefixes in memory, found by the ids of the blocks they hold. Thread-safe."""
+
+    def __init__(
+        self,
+        buffers: KVBuffers,
+        charge: Callable[[int], bool],
+        *,
+        min_tokens: int = MIN_SHARED_TOKENS,
+    ) -> None:
+        self._buffers = buffers
+        # Counts bytes in admission if they fit its budget now, returning whether they did; negative bytes give back.
+        self._charge = charge
+        self._min_tokens = min_tokens
+        self._by_key: dict[Hashable, SharedPrefix] = {}
+        self._live = 0  # prefixes in memory, found or not (one whose fill failed lives on while its readers do)
+        self._bytes = 0  # what admission counts for them
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._live
+
+    def nbytes(self) -> int:
+        """Return the bytes admission counts for shared prefixes now."""
+        return self._bytes
+
+    def attach(self, ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
+        """Start a request from the longest shared prefix of blocks `ids` (block 0 first, each cached in the store).
+
+        When the cached blocks run on past every shared prefix, a new one is created for the request to fill, at
+        least `min_tokens` long: it ends at the first of `forks` (block indices where other cached prompts depart
+        from this one) that allows, so that those prompts can read it too, else at the last cached block. What
+        follows it is the request's own (or, read on past it by later requests, a prefix of its own in turn).
+        Return None when there is nothing to share.
+        """
+        size = self._buffers.geometry.block_size
+        with self._lock:
+            found = None
+            for count in range(len(ids), 0, -1):
+                prefix = self._by_key.get(ids[count - 1])
+                if prefix is not None and prefix.blocks == count:
+                    found = prefix
+                    break
+            fill = None
+            covered = found.blocks if found is not None else 0
+            least = covered + -(-self._min_tokens // size)  # the fewest blocks a new prefix may end after
+            end = min((fork for fork in forks if least <= fork <= len(ids)), default=len(ids))
+            tokens = (end - covered) * size
+            if end >= least and self._charge(self._buffers.nbytes_for(tokens)):
+                raw = self._buffers.take(tokens, round_up(tokens))
+                fill = SharedPrefix(ids[end - 1], found, end, size, raw)
+                fill.charged = self._buffers.nbytes_for(tokens)
+                self._live += 1
+                self._bytes += fill.charged
+                if found is not None:
+                    found.references += 1  # held by the new prefix for as long as it lives
+                fill.references = 1  # the fill's, dropped by filled()
+                self._by_key[fill.key] = fill
+                found = fill
+            if found is None:
+                return None
+            found.references += 1
+        return PrefixStart(self, found, fill)
+
+    def filled(self, prefix: SharedPrefix, tiers: Sequence[str]) -> None:
+        """Report a fill done: `tiers` names where each block came from; fewer names than blocks fail the prefix."""
+        complete = len(tiers) == prefix.blocks - prefix.first_block
+        with self._lock:
+            if complete:
+                prefix.tiers = tuple(tiers)
+            elif self._by_key.get(prefix.key) is prefix:
+                del self._by_key[prefix.key]  # nobody new attaches to it; its readers go on without it
+        prefix.filled.set_result(complete)
+        self.release(prefix)
+
+    def release(self, prefix: SharedPrefix) -> None:
+        """Drop one reference; a prefix nobody references any more gives its memory and bytes back."""
+        freed: list[SharedPrefix] = []
+        with self._lock:
+            current: SharedPrefix | None = prefix
+            while current is not None:
+                current.references -= 1
+                assert current.references >= 0, "a shared prefix was released more often than attached"
+                if current.references:
+                    break
+                if self._by_key.get(current.key) is current:
+                    del self._by_key[current.key]
+                freed.append(current)
+                self._live -= 1
+                self._bytes -= current.charged
+                current = current.parent  # its reference on the parent goes with it
+        for gone in freed:
+            self._charge(-gone.charged)
+            self._buffers.give_back(gone.raw)

@@ -1,0 +1,213 @@
+"""Many streams on one long cached prefix, through HTTP on SmolLM2: what sharing the prefix gives.
+
+Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (about ten minutes; `--prefixes 4096` and `--streams 8`
+make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory, caches a system prompt of each
+length with one request, then prints:
+
+1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, counted while all of them decode) with
+   a short prompt, and with distinct questions after the cached system prompt; the ratio of the two.
+2. The first token of one warm request alone (a new question after the cached prefix), and the slowest first token
+   of N warm requests sent at once; the ratio of the two.
+3. KV memory for 32 streams on the 4k prefix: the bytes admission counts (`prefixgate_kv_memory_bytes` at its
+   highest while they run), one prefix's bytes plus each stream's own tokens for comparison, the server's resident
+   memory added, and whether all were admitted without a 429.
+
+`--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
+`serve` (repeat it: `--flag=--dtype --flag=bfloat16`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from batching_bench import MODEL, STREAM_TOKENS, Stream, served, table
+
+QUESTIONS = 64
+
+
+def system_prompt(tokens: int) -> str:
+    """Return a system prompt of about `tokens` tokens: a manual of numbered rules."""
+    from transformers import AutoTokenizer
+
+    from prefixgate.backends import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).folder))
+    lines = [
+        f"Rule {i}: when a customer asks about order class {i % 23}, check warehouse {i * 7 % 41} first, "
+        f"offer a refund within {i % 30 + 1} days, and escalate after {i % 5 + 2} replies."
+        for i in range(tokens // 20 + 50)
+    ]
+    ids = tokenizer("You are the support assistant of a shop.\n" + "\n".join(lines))["input_ids"][:tokens]
+    return str(tokenizer.decode(ids))
+
+
+def question(index: int) -> str:
+    return f"Customer {index * 7919 % 100_000} asks: write a long story about order number {index * 1000}."
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, system: str | None, content: str, max_tokens: int
+) -> tuple[Stream, int]:
+    """Stream one chat answer; return when its pieces arrived and how many prompt tokens came from the cache."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    record = Stream(time.perf_counter())
+    cached = 0
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {await response.text()}")
+        async for line in response.content:
+            if line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+                record.arrivals.append(time.perf_counter())
+            elif b'"cached_tokens": ' in line:
+                cached = int(line.split(b'"cached_tokens": ')[1].split(b"}")[0].split(b",")[0])
+    return record, cached
+
+
+async def decode_rate(url: str, system: str | None, count: int, first: int) -> float:
+    """Run `count` streams at once; return their aggregate decode tokens/s while all of them decode."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        results = await asyncio.gather(
+            *(send(session, url, system, question(first + i), STREAM_TOKENS) for i in range(count))
+        )
+    streams = [record for record, _ in results]
+    start = max(s.arrivals[0] for s in streams)
+    end = min(s.arrivals[-1] for s in streams)
+    pieces = sum(len([t for t in s.arrivals if start < t <= end]) for s in streams)
+    return pieces / (end - start)
+
+
+async def first_tokens(url: str, system: str, count: int, first: int, *, warm: bool = True) -> list[float]:
+    """Send `count` requests at once (new questions after the prefix, cached when `warm`); return their first-token
+    times."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        results = await asyncio.gather(*(send(session, url, system, question(first + i), 1) for i in range(count)))
+    if warm and not all(cached for _, cached in results):
+        raise RuntimeError("a warm request found nothing cached")
+    return [record.ttft for record, _ in results]
+
+
+async def gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as response:
+        for line in (await response.text()).splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def memory_of(url: str, system: str, count: int, pid: int, first: int) -> tuple[float, float, float, int]:
+    """Run `count` streams on the cached prefix; return the highest admitted KV bytes, the shared bytes then, the
+    resident memory added (MiB), and the requests refused."""
+    rss_before = _rss(pid)
+    highest, shared = 0.0, 0.0
+    refused = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(index: int) -> None:
+            nonlocal refused
+            try:
+                await send(session, url, system, question(index), STREAM_TOKENS)
+            except RuntimeError as error:
+                refused += str(error).startswith("429")
+
+        tasks = [asyncio.create_task(one(first + i)) for i in range(count)]
+        rss_peak = rss_before
+        while not all(task.done() for task in tasks):
+            in_use = await gauge(session, url, "prefixgate_kv_memory_bytes")
+            if in_use > highest:
+                highest, shared = in_use, await gauge(session, url, "prefixgate_kv_shared_bytes")
+            rss_peak = max(rss_peak, _rss(pid))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+    return highest, shared, (rss_peak - rss_before) / 2**20, refused
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefixes", type=int, nargs="*", default=[4096, 7168], help="system prompt tokens")
+    parser.add_argument("--streams", type=int, nargs="*", default=[8, 16])
+    parser.add_argument("--memory-streams", type=int, default=32)
+    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
+    args = parser.parse_args()
+    import torch
+
+    print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {args.flag}\n")
+    rates, arrivals = [], []
+    memory = None
+    async with served(args.prefixgate, *args.flag) as server:
+        url, pid = server.url, server.pid
+        await decode_rate(url, None, 2, 0)  # warm up
+        asked = 1000  # every question is new: only the system prompt is cached
+        for tokens in args.prefixes:
+            system = system_prompt(tokens)
+            await first_tokens(url, system, 1, asked, warm=False)  # caches the prefix
+            asked += 1
+            alone = statistics.median([(await first_tokens(url, system, 1, asked + i))[0] for i in range(3)])
+            asked += 3
+            for count in args.streams:
+                short = await decode_rate(url, None, count, asked)
+                shared = await decode_rate(url, system, count, asked + count)
+                asked += 2 * count
+                rates.append([str(tokens), str(count), f"{short:.1f}", f"{shared:.1f}", f"{shared / short:.2f}x"])
+                slowest = max(await first_tokens(url, system, count, asked))
+                asked += count
+                arrivals.append(
+                    [
+                        str(tokens),
+                        str(count),
+                        f"{alone * 1e3:.0f} ms",
+                        f"{slowest * 1e3:.0f} ms",
+                        f"{slowest / alone:.1f}x",
+                    ]
+                )
+            if tokens == args.prefixes[0] and args.memory_streams:
+                memory = (tokens, *await memory_of(url, system, args.memory_streams, pid, asked))
+                asked += args.memory_streams
+    print(f"Decode tokens/s of concurrent streams ({STREAM_TOKENS} tokens each), a short prompt or the cached prefix:")
+    table(["prefix", "streams", "short prompt", "shared prefix", "ratio"], rates)
+    print("First token of warm requests (new questions after the cached prefix):")
+    table(["prefix", "at once", "one alone", "slowest of them", "ratio"], arrivals)
+    if memory is not None:
+        tokens, highest, shared, rss, refused = memory
+        one_prefix = shared or float("nan")
+        print(f"KV memory of {args.memory_streams} streams on the {tokens}-token prefix:")
+        table(
+            ["admitted at most", "of it shared", "beside it", "resident memory added", "refused"],
+            [
+                [
+                    f"{highest / 2**20:.0f} MiB",
+                    f"{shared / 2**20:.0f} MiB",
+                    f"{(highest - shared) / 2**20:.0f} MiB",
+                    f"{rss:.0f} MiB",
+                    str(refused),
+                ]
+            ],
+        )
+        if shared:
+            print(f"(one copy of the prefix is {one_prefix / 2**20:.0f} MiB; without sharing each stream held one)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,264 @@
+"""Shared prefixes: running requests read one copy of a cached prefix in place, attended once per step.
+
+The reference is always the unshared path: the same prompt computed in one buffer of its own. Fills are done here by
+copying blocks a first generation handed back, as the engine's fill copies them from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from prefixgate.backends import HFBackend, KVReservation, SamplingParams, TokenChunk
+from prefixgate.backends import attention as attention_module
+from prefixgate.backends.model_runner import ModelRunner, StepInput
+from tests.backends.conftest import BackendFactory
+from tests.backends.streams import GREEDY, BlockSink, collect, transformers_attention
+from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.tiny_models import make_mistral
+
+BLOCK = 8
+IDS = [f"block-{i}" for i in range(64)]  # chain ids of the shared blocks: the same ids, the same prefix
+
+
+def shared_backend(make_backend: BackendFactory, **options: object) -> HFBackend:
+    """Return a backend that shares prefixes of two blocks or more (the default asks for 256 tokens)."""
+    return make_backend(min_shared_tokens=2 * BLOCK, **options)
+
+
+async def start_shared(
+    backend: HFBackend,
+    prompt: Sequence[int],
+    blocks: Sequence[torch.Tensor],
+    max_tokens: int = GREEDY.max_tokens,
+    forks: Sequence[int] = (),
+) -> KVReservation:
+    """Start `prompt` from a shared prefix of `blocks`, filling it (as the engine does) if new, and reserve for it."""
+    start = backend.start_prefix(IDS[: len(blocks)], forks)
+    if start is not None and start.fill is not None:
+        fill = start.fill
+        fill.kv.copy_(torch.cat(list(blocks[fill.first_block : fill.blocks]), dim=3))
+        start.filled(["host"] * (fill.blocks - fill.first_block))
+    reservation = await backend.reserve(len(prompt), max_tokens, start=start)
+    await reservation.settle()
+    return reservation
+
+
+async def run_shared(
+    backend: HFBackend, prompt: Sequence[int], blocks: Sequence[torch.Tensor], params: SamplingParams = GREEDY
+) -> list[int]:
+    """Generate `prompt` from a shared prefix of `blocks`; return the token ids."""
+    reservation = await start_shared(backend, prompt, blocks, params.max_tokens)
+    stream = backend.generate(prompt, [], params, reservation=reservation)
+    return [chunk.token_id async for chunk in stream]
+
+
+async def a_prompt_and_its_blocks(
+    make_backend: BackendFactory, length: int
+) -> tuple[HFBackend, list[int], list[torch.Tensor], list[int]]:
+    """Return a sharing backend, a prompt of `length` tokens, its blocks, and its greedy tokens computed alone."""
+    backend = shared_backend(make_backend)
+    prompt = make_prompt(length)
+    blocks = await prefix_blocks(backend, prompt)
+    return backend, prompt, blocks, (await collect(backend, prompt)).token_ids
+
+
+async def prefix_blocks(backend: HFBackend, prompt: Sequence[int]) -> list[torch.Tensor]:
+    """Return the blocks of `prompt` as a generation hands them back."""
+    sink = BlockSink()
+    await collect(backend, prompt, on_block=sink)
+    return sink.blocks
+
+
+def test_shared_prefixes_give_the_logits_of_one_buffer_for_prefill_chunks_and_decode_nested_or_not(
+    make_backend: BackendFactory, llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_backend()  # packs the model's attention
+    runner = ModelRunner(llama)
+    prompt = make_prompt(60)
+    geometry = make_backend().geometry
+    shape = (geometry.layers, 2, geometry.kv_heads, 64, geometry.head_dim)
+    with torch.inference_mode(), transformers_attention(llama):
+        expected = llama(torch.tensor([prompt])).logits[0].float()  # expected: [60, vocab]
+    with torch.inference_mode():
+        whole = torch.zeros(shape)
+        runner.run([StepInput(prompt[:32], whole, 0)])
+    root, document = whole[:, :, :, :16].clone(), whole[:, :, :, 16:32].clone()  # a system prompt, a document
+    for exact in (False, True):  # the CPU kernel, and the plain matrix products other devices run
+        if exact:
+            monkeypatch.setattr(attention_module, "attend_with_lse", attention_module._attend_exactly)
+        nested, shallow, alone = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+        shallow[:, :, :, :16] = document
+        alone[:, :, :, :32] = whole[:, :, :, :32]
+        with torch.inference_mode():
+            # Prefill chunks of three requests at once: two levels read in place, one level and a copy, no sharing.
+            for begin, end in ((32, 45), (45, 59)):
+                logits = runner.run(
+                    [
+                        StepInput(prompt[begin:end], nested, begin, 32, (root, document)),
+                        StepInput(prompt[begin:end], alone, begin),
+                        StepInput(prompt[begin:end], shallow, begin, 16, (root,)),
+                    ]
+                )
+                for row in logits:
+                    torch.testing.assert_close(row, expected[end - 1], atol=1e-4, rtol=0)
+            # A decode step of each, the shared rows not side by side.
+            logits = runner.run(
+                [
+                    StepInput(prompt[59:60], nested, 59, 32, (root, document)),
+                    StepInput(prompt[59:60], alone, 59),
+                    StepInput(prompt[59:60], shallow, 59, 16, (root,)),
+                ]
+            )
+        for row in logits:
+            torch.testing.assert_close(row, expected[59], atol=1e-4, rtol=0)
+
+
+def test_a_long_prefix_attended_in_halves_gives_what_one_call_gives() -> None:
+    torch.manual_seed(0)
+    kv = torch.randn(2, 3, 1536, 16)  # kv: [2, kv_heads, tokens, head_dim], long enough to be cut in halves
+    grouped = torch.randn(1, 3, 12, 16)  # grouped: [1, kv_heads, rows, head_dim]
+    out, lse = attention_module._attend_prefix(grouped, kv, 0.25)
+    expected, expected_lse = attention_module._attend_exactly(grouped, kv[0:1], kv[1:2], None, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+
+
+async def test_requests_reading_one_shared_prefix_give_the_tokens_they_give_alone(
+    make_backend: BackendFactory,
+) -> None:
+    backend = shared_backend(make_backend)
+    prompts = [make_prompt(40, offset=0)[:32] + make_prompt(9 + i, offset=5 * i)[-(9 + i) :] for i in range(4)]
+    alone = [(await collect(backend, prompt)).token_ids for prompt in prompts]
+    blocks = await prefix_blocks(backend, prompts[0])
+    together = await asyncio.gather(*(run_shared(backend, prompt, blocks[:4]) for prompt in prompts))
+    assert together == alone
+    stats = backend.admission()
+    assert (stats.shared_prefixes, stats.shared_bytes, stats.bytes_in_use, stats.running) == (0, 0, 0, 0)
+
+
+async def test_a_prefix_extending_a_shared_one_is_shared_too_and_holds_its_parent(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 60)
+    root = await start_shared(backend, prompt, blocks[:2])
+    # Past a shared prefix a new one ends where cached prompts fork (after block 5), not at the last cached block.
+    deeper = await start_shared(backend, prompt, blocks[:7], forks=(1, 6))  # blocks 2..5 become a prefix, after 0..1
+    assert (root.offset, deeper.offset, len(deeper.shared)) == (16, 48, 2)
+    assert deeper.shared[0] is root.shared[0]
+    beside = await start_shared(backend, prompt, blocks[:7])  # one block past `deeper` is too short for a prefix
+    assert beside.offset == 48 and all(a is b for a, b in zip(beside.shared, deeper.shared, strict=True))
+    beside.release()
+    assert backend.admission().shared_prefixes == 2
+    root.release()  # the deeper prefix still reads the root: it stays
+    assert backend.admission().shared_prefixes == 2
+    tokens = [chunk.token_id async for chunk in backend.generate(prompt, [], GREEDY, reservation=deeper)]
+    assert tokens == expected
+    assert backend.admission().shared_prefixes == 0 and backend.admission().bytes_in_use == 0
+    whole = await start_shared(backend, prompt, blocks[:7])  # with no fork, a prefix takes every cached block
+    assert (whole.offset, len(whole.shared)) == (56, 1)
+    whole.release()
+
+
+async def test_admission_counts_a_shared_prefix_once(make_backend: BackendFactory) -> None:
+    backend = shared_backend(make_backend)
+    prompt = make_prompt(300)
+    blocks = await prefix_blocks(backend, prompt)
+    readers = [await start_shared(backend, prompt, blocks[:32]) for _ in range(3)]  # a 256-token prefix
+    stats = backend.admission()
+    own = readers[0].nbytes
+    assert all(reader.offset == 256 and reader.nbytes == own for reader in readers)
+    assert stats.shared_prefixes == 1
+    assert stats.bytes_in_use == stats.shared_bytes + 3 * own
+    assert stats.shared_bytes == readers[0].shared[0].numel() * 4  # one copy of the prefix, float32
+    for reader in readers:
+        reader.release()
+    assert backend.admission().bytes_in_use == 0
+
+
+async def test_a_prefix_lives_while_a_reader_does_and_a_cancelled_reader_lets_it_go(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 40)
+    leaving = backend.generate(prompt, [], GREEDY, reservation=await start_shared(backend, prompt, blocks[:4]))
+    staying = backend.generate(prompt, [], GREEDY, reservation=await start_shared(backend, prompt, blocks[:4]))
+    first: TokenChunk = await anext(leaving)
+    await leaving.aclose()  # a client that left: the model drops it before its next step
+    assert backend.admission().shared_prefixes == 1
+    tokens = [chunk.token_id async for chunk in staying]
+    assert [first.token_id] == expected[:1] and tokens == expected
+    stats = backend.admission()
+    assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
+
+
+async def test_a_failed_fill_leaves_the_request_and_those_waiting_for_it_on_their_own_buffers(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 40)
+    filler = backend.start_prefix(IDS[:4])
+    assert filler is not None and filler.fill is not None
+    waiter = backend.start_prefix(IDS[:4])
+    assert waiter is not None and waiter.fill is None  # it waits for the fill under way
+    reservations = [await backend.reserve(len(prompt), GREEDY.max_tokens, start=s) for s in (filler, waiter)]
+    settling = [asyncio.create_task(reservation.settle()) for reservation in reservations]
+    filler.filled(["host"] * 3)  # the fourth block was gone from the store: the prefix is not whole
+    assert [await task for task in settling] == [0, 0]
+    for reservation in reservations:
+        # Each fetches its prefix into its own buffer, as before sharing (counted for all of it: none is left over).
+        assert reservation.offset == 0 and reservation.buffer is not None
+        reservation.load(blocks[:4])
+        stream = backend.generate(prompt, blocks[:4], GREEDY, reservation=reservation)
+        assert [chunk.token_id async for chunk in stream] == expected
+    stats = backend.admission()
+    assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
+
+
+async def test_a_prefix_is_made_only_when_its_memory_fits_the_budget(make_backend: BackendFactory) -> None:
+    geometry = make_backend().geometry
+    token_bytes = geometry.block_nbytes // geometry.block_size
+    backend = shared_backend(make_backend, kv_memory_budget=300 * token_bytes)  # room for 256 tokens, not 512
+    assert backend.start_prefix(IDS[:40]) is None  # 320 tokens round up to 512: the request copies them itself
+    start = backend.start_prefix(IDS[:30])  # 240 tokens round up to 256
+    assert start is not None and start.fill is not None
+    assert backend.admission().bytes_in_use == 256 * token_bytes
+    start.filled(())
+    start.release()
+    assert backend.admission().bytes_in_use == 0 and backend.admission().shared_prefixes == 0
+
+
+async def test_a_request_failing_mid_step_drops_its_reference(make_backend: BackendFactory) -> None:
+    backend = shared_backend(make_backend)
+    prompt = make_prompt(40)
+    blocks = await prefix_blocks(backend, prompt)
+
+    def broken(index: int, tokens: Sequence[int], kv: torch.Tensor) -> None:
+        raise OSError("the store is gone")
+
+    reservation = await start_shared(backend, prompt, blocks[:4])
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    stream = backend.generate(prompt, [], params, broken, reservation=reservation)
+    with pytest.raises(OSError, match="the store is gone"):
+        async for _ in stream:
+            pass
+    stats = backend.admission()
+    assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
+
+
+def test_models_with_windows_or_soft_capping_copy_the_prefix_and_say_why(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    backend = make_backend(make_mistral(tokenizer, sliding_window=12), min_shared_tokens=16)
+    assert backend.prefix_reuse and backend.sharing_refusal is not None
+    assert "sliding_attention" in backend.sharing_refusal
+    assert shared_backend(make_backend).sharing_refusal is None
+
+
+def test_a_windowed_model_starts_from_its_own_copy(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    backend = make_backend(make_mistral(tokenizer, sliding_window=12), min_shared_tokens=16)
+    assert backend.start_prefix(IDS[:4]) is None

@@ -5,7 +5,8 @@ make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in me
 length with one request, then prints:
 
 1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, counted while all of them decode) with
-   a short prompt, and with distinct questions after the cached system prompt; the ratio of the two.
+   a short prompt, and with distinct questions after the cached system prompt; the ratio of the two (nan when the
+   streams never all decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix), and the slowest first token
    of N warm requests sent at once; the ratio of the two.
 3. KV memory for 32 streams on the 4k prefix: the bytes admission counts (`prefixgate_kv_memory_bytes` at its
@@ -87,6 +88,8 @@ async def decode_rate(url: str, system: str | None, count: int, first: int) -> f
     streams = [record for record, _ in results]
     start = max(s.arrivals[0] for s in streams)
     end = min(s.arrivals[-1] for s in streams)
+    if end <= start:
+        return float("nan")  # the first stream ended before the last began: they never all decoded at once
     pieces = sum(len([t for t in s.arrivals if start < t <= end]) for s in streams)
     return pieces / (end - start)
 

@@ -11,14 +11,16 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, KVReservation, SamplingParams, TokenChunk
 from prefixgate.backends import attention as attention_module
+from prefixgate.backends.kv_cache import sharing_refusal
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import GREEDY, BlockSink, collect, transformers_attention
 from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.test_model_families import FAMILIES
 from tests.backends.tiny_models import make_mistral
 
 BLOCK = 8
@@ -74,19 +76,30 @@ async def prefix_blocks(backend: HFBackend, prompt: Sequence[int]) -> list[torch
     return sink.blocks
 
 
+SHARING = sorted(name for name, build in FAMILIES.items() if sharing_refusal(build(400).config) is None)
+
+
+def test_the_families_that_share_are_those_without_windows_or_soft_capping() -> None:
+    assert SHARING == ["llama", "phi3", "qwen3"]
+    for name in sorted(set(FAMILIES) - set(SHARING)):  # Mistral, Qwen2 mixed, Gemma 2 and 3: each copies
+        refusal = sharing_refusal(FAMILIES[name](400).config)
+        assert refusal is not None and ("sliding_attention" in refusal or "soft-caps" in refusal), (name, refusal)
+
+
+@pytest.mark.parametrize("family", SHARING)
 def test_shared_prefixes_give_the_logits_of_one_buffer_for_prefill_chunks_and_decode_nested_or_not(
-    make_backend: BackendFactory, llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+    family: str, make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_backend()  # packs the model's attention
-    runner = ModelRunner(llama)
+    model = FAMILIES[family](len(tokenizer))
+    geometry = make_backend(model).geometry  # the backend packs the model's attention
+    runner = ModelRunner(model)
     prompt = make_prompt(60)
-    geometry = make_backend().geometry
     shape = (geometry.layers, 2, geometry.kv_heads, 64, geometry.head_dim)
-    with torch.inference_mode(), transformers_attention(llama):
-        expected = llama(torch.tensor([prompt])).logits[0].float()  # expected: [60, vocab]
+    with torch.inference_mode(), transformers_attention(model):
+        expected = model(torch.tensor([prompt])).logits[0].float()  # expected: [60, vocab]
     with torch.inference_mode():
         whole = torch.zeros(shape)
-        runner.run([StepInput(prompt[:32], whole, 0)])
+        runner.run([StepInput(prompt[:32], whole, 0)])  # the unshared path fills the prefixes' K and V
     root, document = whole[:, :, :, :16].clone(), whole[:, :, :, 16:32].clone()  # a system prompt, a document
     for exact in (False, True):  # the CPU kernel, and the plain matrix products other devices run
         if exact:

@@ -339,3 +339,26 @@ async def test_warm_arrivals_at_once_read_one_copy_of_their_prefix_filled_once_a
     finally:
         steps.released.set()
         await engine.close()
+
+
+async def test_a_flush_while_requests_read_a_shared_prefix_changes_no_answer(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel
+) -> None:
+    steps = HeldSteps()
+    engine = tiny_engine(load_settings(store=tmp_path / "store"), tokenizer, llama, steps, min_shared_tokens=16)
+    questions = ["What is the capital of France?", "What is the capital of Italy?"]
+    try:
+        expected = [await engine.complete(chat(question)) for question in questions]  # computed, then cached
+        steps.hold_kind = "decode"  # both are decoding from the shared prefix when the model thread stops
+        together = asyncio.gather(*(engine.complete(chat(question)) for question in questions))
+        await steps.held()
+        assert engine.backend.admission().shared_prefixes >= 1
+        assert await asyncio.to_thread(engine.store.flush) > 0  # every block the prefix was read from is gone
+        steps.released.set()
+        answers = await together
+        assert [answer.text for answer in answers] == [answer.text for answer in expected]
+        assert all(answer.usage.cached_tokens > 0 for answer in answers)
+        assert engine.backend.admission().shared_prefixes == 0
+    finally:
+        steps.released.set()
+        await engine.close()

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,17 +68,23 @@ class Served:
 @contextlib.asynccontextmanager
 async def served(executable: str, *flags: str) -> AsyncIterator[Served]:
     """Run `prefixgate serve` (store in memory) on a free local port; yield it once it answers."""
+    async with launched(lambda port: [executable, "serve", "--port", str(port), "--store", "", *flags]) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def launched(command: Callable[[int], list[str]]) -> AsyncIterator[Served]:
+    """Run a server's `command(port)` on a free local port; yield it once its /health answers 200."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [executable, "serve", "--port", str(port), "--store", ""]
-    process = subprocess.Popen([*command, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
             while True:
                 if process.poll() is not None:
-                    raise RuntimeError(f"prefixgate serve exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                    raise RuntimeError(f"the server exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
                 with contextlib.suppress(aiohttp.ClientError):
                     async with session.get(f"{url}/health") as response:
                         if response.status == 200:

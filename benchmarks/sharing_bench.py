@@ -14,7 +14,8 @@ length with one request, then prints:
    memory added, and whether all were admitted without a 429.
 
 `--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
-`serve` (repeat it: `--flag=--dtype --flag=bfloat16`).
+`serve` (repeat it: `--flag=--dtype --flag=bfloat16`). `--llama-server PATH --gguf FILE` runs llama.cpp's server
+instead, on the same weights converted to GGUF, with one slot per stream (tables 1 and 2; it reports no KV memory).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from batching_bench import MODEL, STREAM_TOKENS, Stream, served, table
+from batching_bench import MODEL, STREAM_TOKENS, Stream, launched, served, table
 
 QUESTIONS = 64
 
@@ -95,8 +96,8 @@ async def decode_rate(url: str, system: str | None, count: int, first: int) -> f
 
 
 async def first_tokens(url: str, system: str, count: int, first: int, *, warm: bool = True) -> list[float]:
-    """Send `count` requests at once (new questions after the prefix, cached when `warm`); return their first-token
-    times."""
+    """Send `count` requests at once (new questions after the prefix); return their first-token times. With `warm`,
+    each must say it found part of its prompt cached (not asked of llama.cpp's server)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         results = await asyncio.gather(*(send(session, url, system, question(first + i), 1) for i in range(count)))
     if warm and not all(cached for _, cached in results):
@@ -153,13 +154,27 @@ async def main() -> None:
     parser.add_argument("--memory-streams", type=int, default=32)
     parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server executable, run instead of prefixgate")
+    parser.add_argument("--gguf", help="the model file llama-server runs")
     args = parser.parse_args()
+    peer = args.llama_server is not None
     import torch
 
     print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {args.flag}\n")
     rates, arrivals = [], []
     memory = None
-    async with served(args.prefixgate, *args.flag) as server:
+    if peer:
+        slots = max(args.streams, default=1)
+        context = slots * (max(args.prefixes, default=0) + 1024)  # one slot per stream, each with the whole prompt
+        server_context = launched(
+            lambda port: (
+                [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port)]
+                + ["-np", str(slots), "-c", str(context), *args.flag]
+            )
+        )
+    else:
+        server_context = served(args.prefixgate, *args.flag)
+    async with server_context as server:
         url, pid = server.url, server.pid
         await decode_rate(url, None, 2, 0)  # warm up
         asked = 1000  # every question is new: only the system prompt is cached
@@ -167,14 +182,16 @@ async def main() -> None:
             system = system_prompt(tokens)
             await first_tokens(url, system, 1, asked, warm=False)  # caches the prefix
             asked += 1
-            alone = statistics.median([(await first_tokens(url, system, 1, asked + i))[0] for i in range(3)])
+            alone = statistics.median(
+                [(await first_tokens(url, system, 1, asked + i, warm=not peer))[0] for i in range(3)]
+            )
             asked += 3
             for count in args.streams:
                 short = await decode_rate(url, None, count, asked)
                 shared = await decode_rate(url, system, count, asked + count)
                 asked += 2 * count
                 rates.append([str(tokens), str(count), f"{short:.1f}", f"{shared:.1f}", f"{shared / short:.2f}x"])
-                slowest = max(await first_tokens(url, system, count, asked))
+                slowest = max(await first_tokens(url, system, count, asked, warm=not peer))
                 asked += count
                 arrivals.append(
                     [
@@ -185,7 +202,7 @@ async def main() -> None:
                         f"{slowest / alone:.1f}x",
                     ]
                 )
-            if tokens == args.prefixes[0] and args.memory_streams:
+            if tokens == args.prefixes[0] and args.memory_streams and not peer:
                 memory = (tokens, *await memory_of(url, system, args.memory_streams, pid, asked))
                 asked += args.memory_streams
     print(f"Decode tokens/s of concurrent streams ({STREAM_TOKENS} tokens each), a short prompt or the cached prefix:")

@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -78,22 +79,25 @@ async def launched(command: Callable[[int], list[str]]) -> AsyncIterator[Served]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{url}/health") as response:
-                        if response.status == 200:
-                            break
-                await asyncio.sleep(0.2)
-        yield Served(url, process.pid)
-    finally:
-        process.terminate()
-        process.wait()
+    # Its log goes to a file: a pipe nobody reads fills up and stops a server that logs every request.
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                while True:
+                    if process.poll() is not None:
+                        log.seek(0)
+                        raise RuntimeError(f"the server exited: {log.read().decode()[-2000:]}")
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"{url}/health") as response:
+                            if response.status == 200:
+                                break
+                    await asyncio.sleep(0.2)
+            yield Served(url, process.pid)
+        finally:
+            process.terminate()
+            process.wait()
 
 
 async def stream(

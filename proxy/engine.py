@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from prefixgate.backends import Backend, BlockCallback, KVReservation, SamplingParams, TokenChunk
+from prefixgate.backends import Backend, BlockCallback, KVReservation, PrefixStart, SamplingParams, TokenChunk
 from prefixgate.backends.backend import check_context
-from prefixgate.backends.shared_prefix import PrefixStart
 from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, SamplingParams, StepRecord
-from prefixgate.backends.shared_prefix import PrefixStart
+from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, PrefixStart, SamplingParams, StepRecord
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings

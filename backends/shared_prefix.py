@@ -26,8 +26,8 @@ import torch
 
 from prefixgate.backends.kv_buffers import KVBuffers, round_up
 
-# Fewer cached blocks than this are copied into the request's own buffer: a shared prefix costs a call and a merge
-# per layer and step, which a short one does not repay (a quarter of SmolLM2's 4k-token prefix is 16 blocks).
+# Runs of fewer cached tokens than this (4 blocks of the default 64) are copied into the request's own buffer: a
+# shared prefix costs an attention call and a merge per layer and step, which a short one does not repay.
 MIN_SHARED_TOKENS = 256
 
 

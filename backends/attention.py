@@ -201,9 +201,7 @@ def _attend_prefix(grouped: torch.Tensor, kv: torch.Tensor, scale: float) -> tup
     key_halves = keys.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)  # [2, kv_heads, tokens / 2, d]
     value_halves = values.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)
     out, lse = attend_with_lse(grouped.expand(2, -1, -1, -1), key_halves, value_halves, None, scale)
-    total = torch.logsumexp(lse, dim=0, keepdim=True)  # total: [1, kv_heads, rows]
-    weights = torch.exp(lse - total).unsqueeze(-1)  # weights: [2, kv_heads, rows, 1]
-    return (out.float() * weights).sum(dim=0, keepdim=True).to(out.dtype), total
+    return _merge(out[0:1], lse[0:1], out[1:2], lse[1:2])  # out: [2, kv_heads, rows, d], a half each
 
 
 def _merge(

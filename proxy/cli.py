@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
+import torch
 from aiohttp import web
 from pydantic import ByteSize
 
 from prefixgate import __version__
+from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError, PrefixgateError
 from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, build_engine, create_app
 from prefixgate.proxy.settings import Settings, load_settings
@@ -126,13 +128,24 @@ def _banner(app: web.Application, settings: Settings) -> str:
         return f"prefixgate {__version__} serving {settings.model} on {url}/v1\n  in front of upstreams: {upstreams}"
     tiers = ", ".join(f"{tier.name} {_show(ByteSize(tier.capacity_bytes))}" for tier in engine.store.tiers)
     where = f"in {settings.store}" if settings.store is not None else "in memory only (nothing persists)"
-    lines = [f"prefixgate {__version__} serving {settings.model} on {url}/v1", f"  store {where}: {tiers}"]
+    lines = [
+        f"prefixgate {__version__} serving {settings.model} on {url}/v1",
+        f"  model in {_dtype(engine.store.device, engine.store.layout.dtype, settings)} on {engine.store.device}",
+        f"  store {where}: {tiers}",
+    ]
     remote = engine.store.remote
     if remote is not None:
         lines.append(f"  remote tier: Redis at {remote.url}, blocks live {remote.ttl:g} s")
     if settings.admin_key is not None:
         lines.append(f"  admin dashboard: {url}/admin/")
     return "\n".join(lines)
+
+
+def _dtype(device: torch.device, dtype: torch.dtype, settings: Settings) -> str:
+    """Return the model's dtype as the banner names it, with why when `--dtype auto` chose it."""
+    name = str(dtype).removeprefix("torch.")
+    chosen, why = auto_dtype(device)
+    return f"{name} ({why}; --dtype sets it)" if settings.dtype == "auto" and dtype == chosen else name
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -62,7 +62,9 @@ class Settings(BaseSettings):
         "Hugging Face Hub id (org/name; from its cache, downloaded there unless HF_HUB_OFFLINE=1)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="model and KV dtype; auto is bfloat16 on CUDA, float32 on CPU"
+        "auto",
+        description="model and KV dtype; auto is bfloat16 on GPUs and on CPUs that compute it (AVX-512 BF16, AMX), "
+        "else float32",
     )
     store: Path | None = Field(
         Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import HFBackend, model_resolver, resolve_model
+from prefixgate.backends import HFBackend, hf_backend, model_resolver, resolve_model
 from prefixgate.errors import ConfigError, ModelNotFoundError
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
@@ -78,7 +79,7 @@ async def test_a_saved_folder_loads_offline_with_the_same_fingerprint(
     saved_llama: Path, llama: PreTrainedModel, make_backend: BackendFactory
 ) -> None:
     in_memory = make_backend(llama).fingerprint  # served as the folder's model is: its attention packed
-    backend = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+    backend = HFBackend.load(str(saved_llama), dtype="float32", device="cpu", block_size=8)
     try:
         assert backend.model_id == "tiny-llama"
         assert backend.fingerprint == in_memory, "where a model was loaded from is no part of it"
@@ -98,8 +99,27 @@ async def test_dtype_is_a_setting_and_changes_the_fingerprint(saved_llama: Path)
     backend = HFBackend.load(str(saved_llama), dtype="bfloat16", device="cpu", block_size=8)
     try:
         assert backend.geometry.dtype.is_floating_point and backend.geometry.dtype.itemsize == 2
-        reference = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+        reference = HFBackend.load(str(saved_llama), dtype="float32", device="cpu", block_size=8)
         assert reference.fingerprint != backend.fingerprint
         reference.close()
     finally:
         await backend.aclose()
+
+
+@pytest.mark.parametrize(("computes", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_is_bfloat16_on_cpus_that_compute_it_and_float32_on_others(
+    monkeypatch: pytest.MonkeyPatch, saved_llama: Path, computes: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr(hf_backend, "_cpu_computes_bfloat16", lambda: computes)
+    dtype, why = hf_backend.auto_dtype(torch.device("cpu"))
+    assert dtype == expected
+    assert ("computes bfloat16" in why) == computes
+    backend = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+    try:
+        assert backend.geometry.dtype == expected
+    finally:
+        backend.close()
+
+
+def test_auto_dtype_is_bfloat16_on_gpus() -> None:
+    assert hf_backend.auto_dtype(torch.device("cuda"))[0] == torch.bfloat16

@@ -89,7 +89,8 @@ def test_chat_and_completions_streaming_and_not(start_server: Callable[..., Serv
 def test_a_shared_long_system_prompt_is_served_from_cache_with_the_same_answer(
     start_server: Callable[..., Server],
 ) -> None:
-    client = start_server().client()
+    # float32: a cached prefix then gives exactly the answer computing it gives (in bfloat16 a near tie may part).
+    client = start_server("--dtype", "float32").client()
     first = ask(client, "How much water does step 3 use?")
     second = ask(client, "How much water does step 3 use?")
     assert first.usage is not None and second.usage is not None
@@ -104,11 +105,11 @@ def test_a_shared_long_system_prompt_is_served_from_cache_with_the_same_answer(
 
 
 def test_a_restarted_server_serves_the_prefix_from_disk(start_server: Callable[..., Server]) -> None:
-    first_server = start_server()
+    first_server = start_server("--dtype", "float32")
     first = ask(first_server.client(), "How much water does step 5 use?")
     first_server.stop()
 
-    second_server = start_server()
+    second_server = start_server("--dtype", "float32")
     again = ask(second_server.client(), "How much water does step 5 use?")
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 1000

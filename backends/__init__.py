@@ -2,7 +2,8 @@
 
 Exports:
 - `Backend`, `KVGeometry`, `SamplingParams`, `TokenChunk`, `BlockCallback`, `FinishReason`: the protocol and the
-  data that crosses it (see `backend.py`).
+  data that crosses it (see `backend.py`); `ToolCallDelta`, `TokenLogprob`, `TopLogprob`: what a chunk carries for
+  agents beside text.
 - `HFBackend`: a transformers causal LM on this machine (`HFBackend.load("smollm2-135m")`, a model folder or a
   `.gguf` file; or `HFBackend(model, tokenizer, model_id=...)` around objects you built). One worker thread runs
   every admitted request in each step, one forward pass for all (decode tokens and prefill chunks); close it with
@@ -23,6 +24,9 @@ from prefixgate.backends.backend import (
     KVGeometry,
     SamplingParams,
     TokenChunk,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
 )
 from prefixgate.backends.hf_backend import HFBackend
 from prefixgate.backends.kv_buffers import KVReservation
@@ -50,6 +54,9 @@ __all__ = [
     "StepListener",
     "StepRecord",
     "TokenChunk",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "TopLogprob",
     "Work",
     "default_model_cache_dir",
     "resolve_model",

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
     from prefixgate.backends.kv_buffers import KVReservation
     from prefixgate.backends.shared_prefix import PrefixStart
 
-FinishReason = Literal["stop", "length"]
+# A local model stops or runs out of tokens; an upstream may also say "tool_calls" or "content_filter".
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 BlockCallback = Callable[[int, Sequence[int], torch.Tensor], None]
 """`on_block(block_index, block_token_ids, kv)`: a newly completed block, called from the model's worker thread.
@@ -33,6 +34,7 @@ exception it raises fails the request.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: bool = False  # return each generated token's log probability
+    top_logprobs: int = 0  # and this many of the most likely tokens at its position
+    min_tokens: int = 0  # the end of the turn cannot come before this many (stop strings still apply, as in vLLM)
+    ignore_eos: bool = False  # run to max_tokens or a stop string, past the end of the turn
 
     def __post_init__(self) -> None:
         # Ranges that hold for every model; what depends on the model (context, n) the backend checks.
@@ -91,16 +100,70 @@ class SamplingParams:
             raise RequestError("stop strings must not be empty", param="stop")
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}", param="n")
+        for name, value in (("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)):
+            if not (-2.0 <= value <= 2.0):  # also catches NaN
+                raise RequestError(f"{name} must be between -2 and 2, got {value}", param=name)
+        if any(not (-100.0 <= bias <= 100.0) for _, bias in self.logit_bias):
+            raise RequestError("each logit_bias value must be between -100 and 100", param="logit_bias")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}", param="top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError('top_logprobs needs "logprobs": true', param="top_logprobs")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                param="min_tokens",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a tool call, as OpenAI streams one: the first piece of call `index` names it, later ones add to its
+    arguments (JSON text, complete once the answer is)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One candidate token at a position and its log probability."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log probability, and the most likely tokens at its position when they were asked for."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
-    """Carry one generated token and the text that became stable with it; the last one has a finish reason."""
+    """Carry one generated token and what became stable with it; the last one has a finish reason.
+
+    Text is the answer's content. An upstream also sends what agents read beside it: tool-call pieces, reasoning,
+    a refusal, and log probabilities, which go to the client as they came.
+    """
 
     token_id: int
     text: str
     finish_reason: FinishReason | None
     stop_sequence: str | None = None  # the stop string that ended the answer, when one did
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""
+    refusal: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def check_context(context_length: int, prompt_tokens: int, max_tokens: int = 0) -> None:

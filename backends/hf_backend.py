@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,10 @@ class HFBackend:
         self._runner = ModelRunner(model)
         self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
+        # Each token's text alone, for log probabilities: decoded once per token id, on the model thread.
+        self._token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: str(tokenizer.decode([token], skip_special_tokens=False))
+        )
         self.reuse_refusal: str | None = reuse_refusal(model.config) or self._probe_packed()
         self.prefix_reuse = self.reuse_refusal is None
         # A cache that is not plain per-token K and V stays transformers' own: it runs alone, with nothing to buffer.
@@ -275,6 +280,13 @@ class HFBackend:
                     f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
                     param="n",
                 )
+            outside = [token for token, _ in params.logit_bias if not 0 <= token < self._vocab_size]
+            if outside:
+                raise RequestError(
+                    f"logit_bias names token {outside[0]}, outside this model's vocabulary of {self._vocab_size} "
+                    f"tokens (ids 0 to {self._vocab_size - 1})",
+                    param="logit_bias",
+                )
             shared = reservation.offset if reservation is not None else 0
             plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False, shared=shared)
         except BaseException:
@@ -282,10 +294,11 @@ class HFBackend:
                 reservation.release()
             raise
         decoding = Decoding(
-            sampler=Sampler(params, self.device),
+            sampler=Sampler(params, self.device, eos_ids=self._eos_ids, token_text=self._token_text),
             text=TextStream(self.decode, plan.prompt, params.stop),
-            eos_ids=self._eos_ids,
+            eos_ids=frozenset() if params.ignore_eos else self._eos_ids,
             max_tokens=params.max_tokens,
+            logprobs=params.logprobs,
         )
         return self._stream(plan, decoding, on_block if self.prefix_reuse else None, reservation)
 

@@ -1,19 +1,41 @@
-"""The sampler: pick the next token from logits, greedily or by temperature, top-k and top-p."""
+"""The sampler: pick the next token from logits, greedily or by temperature, top-k and top-p, after the request's
+logit bias, penalties and minimum length; and say how likely the model found each token it picked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Set
+
 import torch
 
-from prefixgate.backends.backend import SamplingParams
+from prefixgate.backends.backend import SamplingParams, TokenLogprob, TopLogprob
+
+TokenText = Callable[[int], str]
+"""`token_text(token_id)`: the text of one token alone, as a client is shown it with its log probability."""
 
 
 class Sampler:
-    """Pick tokens for one request; a seeded request always picks the same tokens from the same logits."""
+    """Pick tokens for one request; a seeded request always picks the same tokens from the same logits.
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
-        self._temperature = params.temperature
-        self._top_k = params.top_k
-        self._top_p = params.top_p
+    Before picking, the logits take the request's `logit_bias`, then lose `frequency_penalty` for each time a token
+    was generated before and `presence_penalty` once if it was (as OpenAI and vLLM count them: generated tokens only),
+    and the end-of-turn tokens are ruled out until `min_tokens` are generated. Log probabilities are the model's own,
+    before any of that (as vLLM reports them by default), so they say how likely the model found the token.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        device: torch.device,
+        *,
+        eos_ids: Set[int] = frozenset(),
+        token_text: TokenText = str,
+    ) -> None:
+        self._params = params
+        self._eos_ids = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+        self._token_text = token_text
+        self._generated = 0
+        self._bias: torch.Tensor | None = None  # bias: [vocab], built at the first pick, when the vocabulary is known
+        self._counts: torch.Tensor | None = None  # counts: [vocab], times each token was generated
         # One generator per request, so a seeded request is reproducible whatever else the worker runs.
         self._generator: torch.Generator | None = None
         if params.temperature > 0:
@@ -25,21 +47,61 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """Return the next token id from the last position's logits (`[vocab]`)."""
+        token = self._choose(self._processed(logits))
+        self._generated += 1
+        if self._counts is not None:
+            self._counts[token] += 1
+        return token
+
+    def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """Return the log probability of `token` under `logits` (`[vocab]`), with the request's `top_logprobs` most
+        likely tokens."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # logprobs: [vocab]
+        top: tuple[TopLogprob, ...] = ()
+        if self._params.top_logprobs:
+            values, ids = torch.topk(logprobs, self._params.top_logprobs)
+            top = tuple(self._entry(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+        chosen = self._entry(token, float(logprobs[token]))
+        return TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, top)
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        params = self._params
+        if params.logit_bias:
+            if self._bias is None:
+                self._bias = torch.zeros_like(logits, dtype=torch.float32)
+                for token, bias in params.logit_bias:
+                    self._bias[token] = bias
+            logits = logits + self._bias
+        if params.frequency_penalty or params.presence_penalty:
+            if self._counts is None:
+                self._counts = torch.zeros_like(logits, dtype=torch.float32)
+            counts = self._counts
+            logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        if self._generated < params.min_tokens and self._eos_ids.numel():
+            logits = logits.index_fill(-1, self._eos_ids, float("-inf"))
+        return logits
+
+    def _choose(self, logits: torch.Tensor) -> int:
         if self._generator is None:
             return int(torch.argmax(logits).item())
         # In float64, where a tiny temperature is not 0, and shifted so the best scores 0: however small the
         # temperature, no score overflows to +inf, which softmax would turn into nan.
         logits = logits.double()
-        scores = (logits - logits.max()) / self._temperature  # scores: [vocab]
-        if 0 < self._top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self._top_k).values[-1]
+        scores = (logits - logits.max()) / self._params.temperature  # scores: [vocab]
+        top_k, top_p = self._params.top_k, self._params.top_p
+        if 0 < top_k < scores.shape[-1]:
+            kth = torch.topk(scores, top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self._top_p < 1.0:
+        if top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)  # sorted: [vocab]
             probs = torch.softmax(sorted_scores, dim=-1)
             # Drop a token when the tokens ranked above it already reach top_p; the first one always stays.
-            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= self._top_p
+            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)  # drop: [vocab]
             scores = scores.masked_fill(drop, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # probs: [vocab]
         return int(torch.multinomial(probs, 1, generator=self._generator).item())
+
+    def _entry(self, token: int, logprob: float) -> TopLogprob:
+        text = self._token_text(token)
+        return TopLogprob(text, logprob, tuple(text.encode("utf-8", errors="replace")))

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 import torch
 from transformers import DynamicCache
 
-from prefixgate.backends.backend import BlockCallback, TokenChunk
+from prefixgate.backends.backend import BlockCallback, FinishReason, TokenChunk
 from prefixgate.backends.kv_buffers import KVReservation
 from prefixgate.backends.sampler import Sampler
 from prefixgate.backends.text_stream import TextStream
@@ -44,8 +44,9 @@ class Decoding:
 
     sampler: Sampler
     text: TextStream
-    eos_ids: frozenset[int]
+    eos_ids: frozenset[int]  # the tokens that end the answer (none with ignore_eos)
     max_tokens: int
+    logprobs: bool = False  # each token comes with its log probability
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,19 +166,21 @@ class Sequence:
         decoding = self._decoding
         assert decoding is not None, "a prefill-only sequence never decodes"
         token = decoding.sampler.pick(logits)
+        logprobs = (decoding.sampler.logprob(logits, token),) if decoding.logprobs else ()
         self.tokens.append(token)
         self._generated += 1
         if token in decoding.eos_ids:
-            chunk = TokenChunk(token, decoding.text.finish().text, "stop")
+            chunk = TokenChunk(token, decoding.text.finish().text, "stop", logprobs=logprobs)
         else:
             delta = decoding.text.push(token)
             if delta.stop is not None:
-                chunk = TokenChunk(token, delta.text, "stop", delta.stop)
+                chunk = TokenChunk(token, delta.text, "stop", delta.stop, logprobs=logprobs)
             elif self._generated >= decoding.max_tokens:
                 tail = decoding.text.finish()
-                chunk = TokenChunk(token, delta.text + tail.text, "length" if tail.stop is None else "stop", tail.stop)
+                reason: FinishReason = "length" if tail.stop is None else "stop"
+                chunk = TokenChunk(token, delta.text + tail.text, reason, tail.stop, logprobs=logprobs)
             else:
-                chunk = TokenChunk(token, delta.text, None)
+                chunk = TokenChunk(token, delta.text, None, logprobs=logprobs)
         if chunk.finish_reason is not None:
             # The last token is never fed back: its K and V are not needed, so no block covers it.
             self._finished = True

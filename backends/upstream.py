@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from prefixgate.backends.backend import TokenLogprob, ToolCallDelta, TopLogprob
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, PrefixRouter, Route, Upstream
 from prefixgate.errors import PrefixgateError
 
@@ -38,12 +39,17 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamChunk:
-    """A piece of an upstream's answer: text, and on the last one the finish reason and the stop string that ended
-    it, when the upstream says (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
+    """A piece of an upstream's answer: text, what agents read beside it (tool-call pieces, reasoning, a refusal, log
+    probabilities), and on the last one the finish reason and the stop string that ended it, when the upstream says
+    (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
 
     text: str
     finish_reason: str | None = None
     stop_sequence: str | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""
+    refusal: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,7 @@ class UpstreamStream:
         self.pool = pool
         self.route = route
         self.usage: UpstreamUsage | None = None
+        self.system_fingerprint: str | None = None
         self._response = response
         self._lines = _sse_data(response)
         self._chat = chat
@@ -143,12 +150,17 @@ class UpstreamStream:
             raise UpstreamError(f"upstream {self.upstream.url} failed while streaming: {message}", body=chunk)
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
+        if isinstance(chunk.get("system_fingerprint"), str):
+            self.system_fingerprint = chunk["system_fingerprint"]
         for choice in chunk.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
-            if text or choice.get("finish_reason"):
-                stop = choice.get("stop_reason", choice.get("matched_stop"))  # a stop token's id when not a string
-                stop = stop if isinstance(stop, str) else None
-                self._pending.append(UpstreamChunk(text or "", choice.get("finish_reason"), stop))
+            try:
+                piece = _piece(choice, self._chat)
+            except (KeyError, TypeError, ValueError) as error:
+                self._ok = False
+                message = f"upstream {self.upstream.url} sent a chunk this server cannot read: {data[:200]!r}"
+                raise UpstreamError(message) from error
+            if piece != _NOTHING:
+                self._pending.append(piece)
 
 
 class UpstreamPool:
@@ -287,6 +299,64 @@ async def _error(upstream: Upstream, response: aiohttp.ClientResponse) -> Upstre
 
 def _why(error: Exception) -> str:
     return str(error) or type(error).__name__  # a timeout says nothing of itself
+
+
+_NOTHING = UpstreamChunk("")
+
+
+def _piece(choice: dict[str, Any], chat: bool) -> UpstreamChunk:
+    """Return what one choice of a streamed chunk carries (the chat API's delta, or the completions API's text)."""
+    delta = (choice.get("delta") or {}) if chat else {"content": choice.get("text")}
+    stop = choice.get("stop_reason", choice.get("matched_stop"))  # a stop token's id when not a string
+    # vLLM names reasoning `reasoning_content` (and, from 0.10, `reasoning` too); SGLang `reasoning_content`.
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+    return UpstreamChunk(
+        text=delta.get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+        stop_sequence=stop if isinstance(stop, str) else None,
+        tool_calls=tuple(_tool_call(call) for call in delta.get("tool_calls") or ()),
+        reasoning=str(reasoning),
+        refusal=str(delta.get("refusal") or ""),
+        logprobs=_logprobs(choice.get("logprobs"), chat),
+    )
+
+
+def _tool_call(call: dict[str, Any]) -> ToolCallDelta:
+    function = call.get("function") or {}
+    return ToolCallDelta(int(call["index"]), call.get("id"), function.get("name"), function.get("arguments") or "")
+
+
+def _logprobs(logprobs: dict[str, Any] | None, chat: bool) -> tuple[TokenLogprob, ...]:
+    """Return a chunk's log probabilities from the chat API's `content` list, or the completions API's columns."""
+    if not logprobs:
+        return ()
+    if chat:
+        return tuple(
+            TokenLogprob(
+                entry["token"],
+                float(entry["logprob"]),
+                _bytes(entry.get("bytes")),
+                tuple(
+                    TopLogprob(top["token"], float(top["logprob"]), _bytes(top.get("bytes")))
+                    for top in entry.get("top_logprobs") or ()
+                ),
+            )
+            for entry in logprobs.get("content") or ()
+        )
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+    return tuple(
+        TokenLogprob(
+            token,
+            float(logprob),
+            None,
+            tuple(TopLogprob(name, float(value), None) for name, value in (top or {}).items()),
+        )
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops, strict=True)
+    )
+
+
+def _bytes(value: list[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(byte) for byte in value)
 
 
 def _usage(usage: dict[str, Any]) -> UpstreamUsage:

@@ -3,6 +3,7 @@ and the bodies and stream events we send back, as Anthropic's clients expect the
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -10,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
+from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
 from prefixgate.proxy.openai_api import MAX_STOP_CHARACTERS, MAX_STOP_STRINGS, Strict
 
@@ -25,7 +27,7 @@ ERROR_TYPES = {
     500: "api_error",
     529: "overloaded_error",
 }
-_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use", "content_filter": "refusal"}
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}  # how long a cache_control breakpoint keeps its prefix, at least
 
 
@@ -49,23 +51,67 @@ class TextBlock(Strict):
     cache_control: CacheControl | None = None
 
 
+class ToolUseBlock(Strict):
+    """A tool call the assistant made, in an earlier turn."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(Strict):
+    """What a tool call returned, sent back in a user turn."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+_BLOCK_TYPES = ("text", "tool_use", "tool_result")
+
+
 class MessageParam(Strict):
     """One message of the conversation."""
 
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _known_blocks(cls, value: Any) -> Any:
         for index, block in enumerate(value if isinstance(value, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind != "text":
+            if kind not in _BLOCK_TYPES:
                 raise ValueError(
-                    f"block {index} is of type {kind!r}: this server takes text content blocks only; send the content "
-                    "as text"
+                    f"block {index} is of type {kind!r}: this server takes text, tool_use and tool_result content "
+                    "blocks; send the content as text"
                 )
         return value
+
+
+class ToolChoice(Strict):
+    """Which tool the model may or must call: any of them (auto), one of them (any), the one named (tool), or none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError('tool_choice {"type": "tool"} needs "name", the tool to call; no other type takes one')
+        return self
+
+    def openai(self) -> str | dict[str, Any]:
+        """Return the same choice in OpenAI's form."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
 class ToolParam(Strict):
@@ -97,7 +143,7 @@ class MessagesRequest(Strict):
     stream: bool = False
     metadata: Metadata | None = None
     tools: list[ToolParam] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block that can take one
     service_tier: str | None = None  # accepted; there is one tier here
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefixgate's: splits this tenant's cache
@@ -126,37 +172,45 @@ class MessagesRequest(Strict):
             )
         return self
 
-    def _blocks(self) -> list[ToolParam | TextBlock]:
+    def _blocks(self) -> list[ToolParam | ContentBlock]:
         """Return every block that may carry a breakpoint, in prompt order: tools, system, messages."""
-        blocks: list[ToolParam | TextBlock] = list(self.tools or ())
+        blocks: list[ToolParam | ContentBlock] = list(self.tools or ())
         blocks += self.system if isinstance(self.system, list) else []
         for message in self.messages:
             blocks += message.content if isinstance(message.content, list) else []
         return blocks
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
-        """Return the engine's request: the system prompt first, the text blocks as text parts, the tools as
-        OpenAI function tools for the chat template."""
-        choice = (self.tool_choice or {}).get("type", "auto")
-        if choice not in ("auto", "none"):
-            raise RequestError(
-                f"tool_choice {choice!r} is not supported: the answer comes back as text; use auto or none",
-                param="tool_choice",
-            )
+        """Return the engine's request in OpenAI's shape: the system prompt first, text blocks as text parts,
+        tool_use blocks as the assistant's tool calls and tool_result blocks as tool messages, the tools as function
+        tools, with the cache breakpoints placed where their blocks land."""
+        choice = self.tool_choice.openai() if self.tool_choice is not None else None
+        if choice is not None and choice != "none" and not self.tools:
+            raise RequestError("tool_choice needs tools; send tools or leave tool_choice out", param="tool_choice")
+        with_tools = bool(self.tools) and choice != "none"
+        points = [
+            Breakpoint(tool.cache_control.seconds, tool=index)
+            for index, tool in enumerate(self.tools or ())
+            if tool.cache_control is not None and with_tools
+        ]
         messages: list[dict[str, Any]] = []
         if self.system:
             messages.append({"role": "system", "content": _content(self.system)})
-        messages += [{"role": message.role, "content": _content(message.content)} for message in self.messages]
-        tools = None
-        if self.tools and choice != "none":
-            tools = [
-                {
-                    "type": "function",
-                    "function": {"name": tool.name, "parameters": tool.input_schema}
-                    | ({"description": tool.description} if tool.description is not None else {}),
-                }
-                for tool in self.tools
-            ]
+            for part, block in enumerate(self.system if isinstance(self.system, list) else ()):
+                if block.cache_control is not None:
+                    points.append(Breakpoint(block.cache_control.seconds, message=0, part=part))
+        for message in self.messages:
+            points += _translate(message, messages)
+        if self.cache_control is not None:  # on the last block that can take one: the whole prompt
+            points.append(Breakpoint(self.cache_control.seconds))
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": tool.name, "parameters": tool.input_schema}
+                | ({"description": tool.description} if tool.description is not None else {}),
+            }
+            for tool in self.tools or ()
+        ]
         params = SamplingParams(
             max_tokens=max(1, self.max_tokens),  # a pre-warm (0) generates nothing: the engine warms instead
             temperature=self.temperature,
@@ -164,37 +218,59 @@ class MessagesRequest(Strict):
             top_k=self.top_k,
             stop=tuple(self.stop_sequences or ()),
         )
-        hint = self.metadata.user_id if self.metadata is not None else None
+        parallel = None
+        if self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use is not None:
+            parallel = not self.tool_choice.disable_parallel_tool_use
         return PromptRequest(
             params=params,
             messages=messages,
-            tools=tools,
+            tools=tools or None,
             tenant=tenant,
             cache_salt=self.cache_salt,
             layout=self.layout,
-            hint=hint,
-            breakpoints=self._placed_breakpoints(tools is not None),
+            hint=self.metadata.user_id if self.metadata is not None else None,
+            breakpoints=tuple(points),
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
         )
 
-    def _placed_breakpoints(self, with_tools: bool) -> tuple[Breakpoint, ...]:
-        """Return the cache_control breakpoints, placed in the engine's request (the system prompt is message 0)."""
-        points: list[Breakpoint] = []
-        for index, tool in enumerate(self.tools or ()):
-            if tool.cache_control is not None and with_tools:
-                points.append(Breakpoint(tool.cache_control.seconds, tool=index))
-        first = 0
-        if self.system:
-            first = 1
-            for part, block in enumerate(self.system if isinstance(self.system, list) else ()):
-                if block.cache_control is not None:
-                    points.append(Breakpoint(block.cache_control.seconds, message=0, part=part))
-        for index, message in enumerate(self.messages):
-            for part, block in enumerate(message.content if isinstance(message.content, list) else ()):
-                if block.cache_control is not None:
-                    points.append(Breakpoint(block.cache_control.seconds, message=first + index, part=part))
-        if self.cache_control is not None:  # on the last block that can take one: the whole prompt
-            points.append(Breakpoint(self.cache_control.seconds))
-        return tuple(points)
+
+def _translate(message: MessageParam, messages: list[dict[str, Any]]) -> list[Breakpoint]:
+    """Append one Anthropic message to `messages` in OpenAI's shape; return the breakpoints its blocks carry, placed
+    in `messages`.
+
+    A user turn's tool results become tool messages, before the text it adds; an assistant turn's tool_use blocks
+    become its tool calls, after its text.
+    """
+    if isinstance(message.content, str):
+        messages.append({"role": message.role, "content": message.content})
+        return []
+    points: list[Breakpoint] = []
+    texts = [block for block in message.content if isinstance(block, TextBlock)]
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            content = block.content if isinstance(block.content, str) else "\n".join(b.text for b in block.content)
+            messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            if block.cache_control is not None:
+                points.append(Breakpoint(block.cache_control.seconds, message=len(messages) - 1))
+    calls = [block for block in message.content if isinstance(block, ToolUseBlock)]
+    if not texts and not calls:
+        return points
+    at = len(messages)
+    turn: dict[str, Any] = {"role": message.role, "content": _content(texts) if texts else None}
+    if calls:
+        turn["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}
+            for call in calls
+        ]
+    messages.append(turn)
+    for part, block in enumerate(texts):
+        if block.cache_control is not None:
+            points.append(Breakpoint(block.cache_control.seconds, message=at, part=part))
+    if any(call.cache_control is not None for call in calls):  # the tool calls end the message
+        seconds = max(call.cache_control.seconds for call in calls if call.cache_control is not None)
+        points.append(Breakpoint(seconds, message=at))
+    return points
 
 
 class CountTokensRequest(MessagesRequest):
@@ -235,23 +311,45 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def message(
-    message_id: str,
-    model: str,
-    text: str | None,
-    finish_reason: str | None,
-    stop_sequence: str | None,
-    usage: Usage,
+    message_id: str, model: str, answer: Answer | None, finish_reason: str | None, usage: Usage
 ) -> dict[str, Any]:
-    """Return a message body: the whole answer, or (with `text` None) the empty one a stream starts with."""
+    """Return a message body: the whole answer, or (with `answer` None) the empty one a stream starts with."""
+    stop = None if answer is None else answer.stop_sequence
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}] if text else [],
-        "stop_reason": None if text is None else stop_reason(finish_reason, stop_sequence),
-        "stop_sequence": stop_sequence,
+        "content": [] if answer is None else content_blocks(answer),
+        "stop_reason": None if answer is None else stop_reason(finish_reason, stop),
+        "stop_sequence": stop,
         "usage": usage_body(usage),
+    }
+
+
+def content_blocks(answer: Answer) -> list[dict[str, Any]]:
+    """Return an answer's content blocks: its reasoning as thinking, its text, then each tool call as tool_use."""
+    blocks: list[dict[str, Any]] = []
+    if answer.reasoning:
+        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    if answer.text:
+        blocks.append({"type": "text", "text": answer.text})
+    blocks += [tool_use(call.id, call.name, call.arguments) for call in answer.tool_calls]
+    return blocks
+
+
+def tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """Return a tool_use block for a call whose arguments are JSON text (`{}` when empty)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        value = None
+    # Anthropic's input is an object; arguments that are not one (a model's broken JSON) are kept whole as text.
+    return {
+        "type": "tool_use",
+        "id": call_id,
+        "name": name,
+        "input": value if isinstance(value, dict) else {"arguments": arguments},
     }
 
 

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from prefixgate.backends import HFBackend
+from prefixgate.backends import HFBackend, TokenChunk
 from prefixgate.backends.router import Upstream
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError
 from prefixgate.errors import (
@@ -30,6 +30,7 @@ from prefixgate.errors import (
 )
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
+from prefixgate.proxy.answer import Answer, assemble, tool_call_id
 from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
@@ -188,17 +189,12 @@ async def _generate(
         async with generation:
             return await _stream(request, generation, body.model, include_usage, chat=chat)
     async with generation:
-        text, stop = await _whole(generation)
+        answer = assemble([chunk async for chunk in generation])
     render = api.chat_completion if chat else api.text_completion
     finish_reason = generation.finish_reason or "stop"
-    payload = render(generation.request_id, body.model, text, finish_reason, generation.usage(), stop)
+    usage = generation.usage()
+    payload = render(generation.request_id, body.model, answer, finish_reason, usage, generation.system_fingerprint)
     return web.json_response(payload, headers=_headers(generation))
-
-
-async def _whole(generation: AnyGeneration) -> tuple[str, str | None]:
-    """Return the whole answer, and the stop string that ended it (None when none did)."""
-    chunks = [chunk async for chunk in generation]
-    return "".join(chunk.text for chunk in chunks), chunks[-1].stop_sequence if chunks else None
 
 
 async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
@@ -224,8 +220,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         async with generation:
             return await _stream_message(request, generation, body.model, message_id)
     async with generation:
-        text, stop = await _whole(generation)
-    payload = anthropic.message(message_id, body.model, text, generation.finish_reason, stop, generation.usage())
+        answer = assemble([chunk async for chunk in generation])
+    payload = anthropic.message(message_id, body.model, answer, generation.finish_reason, generation.usage())
     return web.json_response(payload, headers=_headers(generation))
 
 
@@ -240,7 +236,8 @@ async def _prewarm(request: web.Request, body: anthropic.MessagesRequest) -> web
         )
     warmed = await engine.warm(body.to_prompt_request(request[TENANT]))
     usage = Usage(warmed.prompt_tokens, 0, warmed.read_tokens, {}, warmed.cache_writes)
-    return web.json_response(anthropic.message(anthropic.message_id(), body.model, "", "length", None, usage))
+    empty = Answer("", "", "", (), (), None)
+    return web.json_response(anthropic.message(anthropic.message_id(), body.model, empty, "length", usage))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -331,26 +328,29 @@ async def _stream(
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(
-        text: str | None, finish_reason: str | None, stop: str | None = None, *, role: bool = False
+        token: TokenChunk | None, finish_reason: str | None = None, stop: str | None = None, *, role: bool = False
     ) -> dict[str, Any]:
+        logprobs = token.logprobs if token is not None else ()
         if not chat:
-            return api.text_chunk(rid, model, created, text or "", finish_reason, stop)
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if text:
-            delta["content"] = text
-        body = api.chat_chunk(rid, model, created, delta, finish_reason, stop)
-        if include_usage:
-            body["usage"] = None
-        return body
+            text = token.text if token is not None else ""
+            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs)
+        else:
+            delta = api.chat_delta(token) if token is not None else {}
+            delta = {"role": "assistant", "content": ""} if role else delta
+            body = api.chat_chunk(rid, model, created, delta, finish_reason, stop, logprobs)
+            if include_usage:
+                body["usage"] = None
+        fingerprint = generation.system_fingerprint
+        return body | ({"system_fingerprint": fingerprint} if fingerprint is not None else {})
 
     try:
         if chat:
-            await _send(response, chunk(None, None, role=True))
+            await _send(response, chunk(None, role=True))
         stop = None
         async for token in generation:
             stop = token.stop_sequence
-            if token.text:
-                await _send(response, chunk(token.text, None))
+            if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
+                await _send(response, chunk(token))
         await _send(response, chunk(None, generation.finish_reason, stop))
         if include_usage:
             await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
@@ -374,18 +374,15 @@ async def _stream_message(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
     )
     await response.prepare(request)
-    start = anthropic.message(message_id, model, None, None, None, generation.usage())
+    start = anthropic.message(message_id, model, None, None, generation.usage())
     await _event(response, "message_start", {"type": "message_start", "message": start})
-    block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-    await _event(response, "content_block_start", block)
     await _event(response, "ping", {"type": "ping"})
+    blocks = _ContentBlocks(response)
     stop = None
     try:
         async for token in generation:
             stop = token.stop_sequence
-            if token.text:
-                piece = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": token.text}}
-                await _event(response, "content_block_delta", piece)
+            await blocks.add(token)
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client left request %s; generation stopped", message_id)  # the caller's aclose() stops the model
         raise
@@ -394,7 +391,7 @@ async def _stream_message(
         await _event(response, "error", anthropic.error_body(status, body["error"]["message"]))
         await response.write_eof()
         return response
-    await _event(response, "content_block_stop", {"type": "content_block_stop", "index": 0})
+    await blocks.close()
     await generation.aclose()  # usage is final
     reason = anthropic.stop_reason(generation.finish_reason, stop)
     usage = anthropic.usage_body(generation.usage())
@@ -403,6 +400,48 @@ async def _stream_message(
     await _event(response, "message_stop", {"type": "message_stop"})
     await response.write_eof()
     return response
+
+
+class _ContentBlocks:
+    """Anthropic's content blocks of a streamed answer, each opened as its content starts and closed before the next:
+    reasoning as thinking, text, and each tool call as tool_use, its arguments as input_json_delta pieces."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+        self._index = -1
+        self._open: str | int | None = None  # "thinking", "text", or the index of the tool call being streamed
+
+    async def add(self, token: TokenChunk) -> None:
+        """Send what one of the engine's chunks carries."""
+        if token.reasoning:
+            await self._delta(
+                "thinking",
+                {"type": "thinking", "thinking": "", "signature": ""},
+                {"type": "thinking_delta", "thinking": token.reasoning},
+            )
+        if token.text:
+            await self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": token.text})
+        for piece in token.tool_calls:
+            block = anthropic.tool_use(piece.id or tool_call_id(), piece.name or "", "{}")
+            delta = {"type": "input_json_delta", "partial_json": piece.arguments} if piece.arguments else None
+            await self._delta(piece.index, block, delta)
+
+    async def close(self) -> None:
+        """Close the block still open."""
+        if self._open is not None:
+            await _event(self._response, "content_block_stop", {"type": "content_block_stop", "index": self._index})
+            self._open = None
+
+    async def _delta(self, kind: str | int, block: dict[str, Any], delta: dict[str, Any] | None) -> None:
+        if kind != self._open:
+            await self.close()
+            self._index += 1
+            self._open = kind
+            start = {"type": "content_block_start", "index": self._index, "content_block": block}
+            await _event(self._response, "content_block_start", start)
+        if delta is not None:
+            piece = {"type": "content_block_delta", "index": self._index, "delta": delta}
+            await _event(self._response, "content_block_delta", piece)
 
 
 def _streaming_failure(request_id: str, error: Exception) -> tuple[int, dict[str, Any]]:

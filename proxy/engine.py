@@ -92,10 +92,31 @@ class PromptRequest:
     layout: bool = True
     hint: str | None = None  # the client's affinity hint (prompt_cache_key or user): upstreams are routed by it
     breakpoints: tuple[Breakpoint, ...] = ()  # prefixes the client asks to keep (cache_control, 24h retention)
+    tool_choice: str | dict[str, Any] | None = None  # OpenAI's forms: "none", "auto", "required", a named function
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
+    extensions: dict[str, Any] = field(default_factory=dict)  # fields vLLM and SGLang take, passed on to upstreams
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
             raise RuntimeError("a PromptRequest has either messages or a prompt")
+
+
+def refuse_unsupported(request: PromptRequest) -> None:
+    """Raise RequestError for what a request asks of the local model that it does not do yet (issue 24).
+
+    In front of upstreams all of it passes on: they do it, or refuse it themselves.
+    """
+    if request.tool_choice not in (None, "auto", "none"):
+        raise RequestError(
+            "this model's tool calls come back as text, so a call cannot be required or named; use tool_choice auto "
+            "or none",
+            param="tool_choice",
+        )
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        raise RequestError("only response_format {'type': 'text'} is supported by this model", param="response_format")
+    for name in request.extensions:
+        raise RequestError(f"{name} is not supported by this model; leave it out", param=name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +256,7 @@ class Engine:
         """Start a request and return its token stream once the first token is out (errors surface here)."""
         started = time.perf_counter()
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
+        refuse_unsupported(request)
         prepared = await self.prepare(request)
         # The context check first, so nothing is done for a request that cannot run; then the cached prefix is found,
         # read from a shared copy or fetched into one, and the request admitted for the rest of its KV memory, into
@@ -362,7 +384,8 @@ class Engine:
             if request.layout and self._layout:
                 laid_out = lay_out(messages, self._patterns)
                 messages, moved = laid_out.messages, laid_out.moved
-            tools = canonicalize_tools(request.tools, self._rules)
+            # tool_choice none: the model is not to call any, so it is not shown them (as vLLM renders it).
+            tools = canonicalize_tools(None if request.tool_choice == "none" else request.tools, self._rules)
             token_ids = self.backend.render_chat(messages, tools=tools)
         else:
             assert request.prompt is not None
@@ -536,6 +559,8 @@ class Engine:
 
 class Generation:
     """The token stream of one started request, with what is known of it so far."""
+
+    system_fingerprint: str | None = None  # OpenAI's; a local model reports none, as vLLM does
 
     def __init__(
         self,

@@ -8,8 +8,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prefixgate.backends import SamplingParams
+from prefixgate.backends import SamplingParams, TokenChunk, TokenLogprob, ToolCallDelta
 from prefixgate.errors import RequestError
+from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
 
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -21,6 +22,28 @@ MAX_JSON_DEPTH = 64  # lists and objects within each other; real tool schemas ne
 # that no request's stop strings cost the model thread more than a little per token. OpenAI takes up to 4.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 256
+# vLLM's and SGLang's request fields that prefixgate does not act on: passed on to upstreams, refused locally.
+_EXTENSIONS = (
+    "repetition_penalty",
+    "min_p",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "regex",
+    "ebnf",
+    "no_stop_trim",
+)
 
 
 class Strict(BaseModel):
@@ -105,12 +128,34 @@ class _Generation(Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)  # extensions vLLM and SGLang accept
+    ignore_eos: bool = False
     user: str | None = None  # it does not change the answer; before upstreams, a routing hint
     prompt_cache_key: str | None = None  # prefixes are found by content; before upstreams, a routing hint
     # "24h" keeps the prompt's blocks at least a day; "in_memory" (or none) leaves them to the tiers' policies.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # splits this tenant's cache further
     layout: bool = True  # false keeps per-request content where the client put it
+    # _EXTENSIONS: passed on to upstreams as sent, refused by a local model.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang's constraints
+    ebnf: str | None = None
+    no_stop_trim: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -122,13 +167,18 @@ class _Generation(Strict):
             raise ValueError(f"each stop string may have at most {MAX_STOP_CHARACTERS} characters; shorten it")
         return value
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Return the sampling parameters, refusing fields that would change the answer and are not supported."""
-        for name, value in (("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)):
-            if value:
-                raise RequestError(f"{name} is not supported; leave it out or set it to 0", param=name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported; leave it out", param="logit_bias")
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids, as strings of digits; got {key!r}")
+        return value
+
+    def sampling_params(
+        self, max_tokens: int | None, *, logprobs: bool = False, top_logprobs: int = 0
+    ) -> SamplingParams:
+        """Return the sampling parameters."""
         if self.stream_options is not None and not self.stream:
             raise RequestError(
                 'stream_options is only allowed when stream is true; set "stream": true or leave it out',
@@ -143,11 +193,50 @@ class _Generation(Strict):
             seed=self.seed,
             stop=stop,
             n=self.n,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
         )
+
+    def extensions(self) -> dict[str, Any]:
+        """Return the fields set that only upstreams act on (see `_EXTENSIONS`), as sent."""
+        return {name: getattr(self, name) for name in _EXTENSIONS if getattr(self, name) is not None}
 
     def breakpoints(self) -> tuple[Breakpoint, ...]:
         """Return the retention the client asks for: "24h" keeps the whole prompt at least a day."""
         return (Breakpoint(24 * 3600.0),) if self.prompt_cache_retention == "24h" else ()
+
+
+class NamedFunction(Strict):
+    """The function a named tool_choice names."""
+
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """A tool_choice that names the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    """A response_format: text, any JSON object, or JSON matching a schema; its other fields pass on as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("name"), str):
+            raise ValueError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        return self
 
 
 class ChatCompletionRequest(_Generation):
@@ -156,42 +245,62 @@ class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    # A named function; or the newer forms (allowed_tools, custom) for upstreams that take them, as sent.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None  # accepted; stored nowhere
     store: bool | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # passed on to upstreams; a local model does not reason
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's: passed on to upstreams
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_choice(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") not in ("allowed_tools", "custom"):
+            raise ValueError(
+                'tool_choice is "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            )
+        return value
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
-        """Return the engine's request, refusing what this server cannot honour."""
-        if self.logprobs or self.top_logprobs:
-            raise RequestError("logprobs are not supported; leave logprobs out or set it to false", param="logprobs")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError("only response_format {'type': 'text'} is supported", param="response_format")
-        if self.reasoning_effort is not None:
+        """Return the engine's request."""
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise RequestError(
-                "reasoning_effort is not supported by this model; leave it out", param="reasoning_effort"
+                f"tool_choice {self._choice_name()} needs tools; send tools or leave it out", param="tool_choice"
             )
         messages = [message.model_dump(exclude_none=True) for message in self.messages]
-        tools = (
-            None
-            if self.tool_choice == "none" or not self.tools
-            else [t.model_dump(exclude_none=True) for t in self.tools]
+        tool_choice = (
+            self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         )
+        extensions = self.extensions()
+        for name in ("reasoning_effort", "chat_template_kwargs"):
+            if getattr(self, name) is not None:
+                extensions[name] = getattr(self, name)
         return PromptRequest(
-            params=self.sampling_params(self.max_completion_tokens or self.max_tokens),
+            params=self.sampling_params(
+                self.max_completion_tokens or self.max_tokens,
+                logprobs=self.logprobs,
+                top_logprobs=self.top_logprobs or 0,
+            ),
             messages=messages,
-            tools=tools,
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tenant=tenant,
             cache_salt=self.cache_salt,
             layout=self.layout,
             hint=self.prompt_cache_key or self.user,
             breakpoints=self.breakpoints(),
+            tool_choice=tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.response_format.model_dump(exclude_none=True) if self.response_format else None,
+            extensions=extensions,
         )
+
+    def _choice_name(self) -> str:
+        return repr(self.tool_choice) if isinstance(self.tool_choice, str) else "naming a tool"
 
 
 class CompletionRequest(_Generation):
@@ -201,7 +310,7 @@ class CompletionRequest(_Generation):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy form: how many top tokens, besides the chosen one
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
         """Return the engine's request, refusing what this server cannot honour."""
@@ -213,36 +322,50 @@ class CompletionRequest(_Generation):
             prompt = self.prompt
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
-        for name, value in (("echo", self.echo), ("suffix", self.suffix), ("logprobs", self.logprobs)):
+        for name, value in (("echo", self.echo), ("suffix", self.suffix)):
             if value:
                 raise RequestError(f"{name} is not supported; leave it out", param=name)
         if self.best_of not in (None, 1):
             raise RequestError("best_of is not supported; leave it out or set it to 1", param="best_of")
         return PromptRequest(
-            params=self.sampling_params(self.max_tokens),
+            params=self.sampling_params(
+                self.max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+            ),
             prompt=prompt,
             tenant=tenant,
             cache_salt=self.cache_salt,
             layout=self.layout,
             hint=self.prompt_cache_key or self.user,
             breakpoints=self.breakpoints(),
+            extensions=self.extensions(),
         )
 
 
-def sampling_fields(model: str, params: SamplingParams) -> dict[str, Any]:
-    """Return the body fields that ask an OpenAI-compatible server for `model` with these sampling parameters."""
+def sampling_fields(model: str, params: SamplingParams, *, chat: bool) -> dict[str, Any]:
+    """Return the body fields that ask an OpenAI-compatible server for `model` with these sampling parameters (for
+    the chat API, or with `chat` false the completions API); what is off is left out, for servers that know only
+    OpenAI's fields."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
     }
-    if params.top_k:  # an extension: left out when off, for servers that know only OpenAI's fields
-        body["top_k"] = params.top_k
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
+    optional = {
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stop": list(params.stop),
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "logit_bias": {str(token): bias for token, bias in params.logit_bias},
+        "min_tokens": params.min_tokens,
+        "ignore_eos": params.ignore_eos,
+    }
+    body |= {name: value for name, value in optional.items() if value or (name == "seed" and value is not None)}
+    if params.logprobs and chat:
+        body |= {"logprobs": True} | ({"top_logprobs": params.top_logprobs} if params.top_logprobs else {})
+    elif params.logprobs:
+        body["logprobs"] = params.top_logprobs
     return body
 
 
@@ -290,39 +413,37 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def chat_completion(
-    request_id: str, model: str, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None
+    request_id: str, model: str, answer: Answer, finish_reason: str, usage: Usage, fingerprint: str | None = None
 ) -> dict[str, Any]:
     """Return a whole chat completion body; `stop_reason` is the stop string that ended it, as vLLM reports it."""
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
-        "usage": usage_body(usage),
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": answer.text if answer.text or not answer.tool_calls else None,
+        "refusal": answer.refusal or None,
     }
+    if answer.tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in answer.tool_calls
+        ]
+    if answer.reasoning:
+        message |= _reasoning(answer.reasoning)
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": chat_logprobs(answer.logprobs),
+        "finish_reason": finish_reason,
+        "stop_reason": answer.stop_sequence,
+    }
+    return _completion(request_id, "chat.completion", model, choice, fingerprint) | {"usage": usage_body(usage)}
 
 
 def text_completion(
-    request_id: str, model: str, text: str, finish_reason: str, usage: Usage, stop_reason: str | None = None
+    request_id: str, model: str, answer: Answer, finish_reason: str, usage: Usage, fingerprint: str | None = None
 ) -> dict[str, Any]:
     """Return a whole text completion body; `stop_reason` as in `chat_completion`."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [_text_choice(text, finish_reason, stop_reason)],
-        "usage": usage_body(usage),
-    }
+    choice = _text_choice(answer.text, finish_reason, answer.stop_sequence, answer.logprobs)
+    return _completion(request_id, "text_completion", model, choice, fingerprint) | {"usage": usage_body(usage)}
 
 
 def chat_chunk(
@@ -332,22 +453,48 @@ def chat_chunk(
     delta: dict[str, Any],
     finish_reason: str | None,
     stop_reason: str | None = None,
+    logprobs: tuple[TokenLogprob, ...] = (),
 ) -> dict[str, Any]:
     """Return one chat.completion.chunk; the last one has the finish reason, and `stop_reason` as in
     `chat_completion`."""
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
-        ],
+        "choices": [choice],
     }
 
 
+def chat_delta(chunk: TokenChunk) -> dict[str, Any]:
+    """Return the delta of a chat chunk for what one of the engine's chunks carries (empty when it carries none)."""
+    delta: dict[str, Any] = {}
+    if chunk.text:
+        delta["content"] = chunk.text
+    if chunk.reasoning:
+        delta |= _reasoning(chunk.reasoning)
+    if chunk.refusal:
+        delta["refusal"] = chunk.refusal
+    if chunk.tool_calls:
+        delta["tool_calls"] = [_tool_call_delta(piece) for piece in chunk.tool_calls]
+    return delta
+
+
 def text_chunk(
-    request_id: str, model: str, created: int, text: str, finish_reason: str | None, stop_reason: str | None = None
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | None = None,
+    logprobs: tuple[TokenLogprob, ...] = (),
 ) -> dict[str, Any]:
     """Return one streamed text_completion chunk; `stop_reason` as in `chat_completion`."""
     return {
@@ -355,8 +502,26 @@ def text_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_text_choice(text, finish_reason, stop_reason)],
+        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs)],
     }
+
+
+def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    """Return the chat API's logprobs object, or None when there are none."""
+    if not logprobs:
+        return None
+    content = [
+        {
+            "token": entry.token,
+            "logprob": entry.logprob,
+            "bytes": _byte_list(entry.bytes),
+            "top_logprobs": [
+                {"token": top.token, "logprob": top.logprob, "bytes": _byte_list(top.bytes)} for top in entry.top
+            ],
+        }
+        for entry in logprobs
+    ]
+    return {"content": content, "refusal": None}
 
 
 def usage_chunk(request_id: str, model: str, created: int, kind: str, usage: Usage) -> dict[str, Any]:
@@ -376,5 +541,52 @@ def error_body(message: str, error_type: str, *, param: str | None = None, code:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def _text_choice(text: str, finish_reason: str | None, stop_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+def _text_choice(
+    text: str, finish_reason: str | None, stop_reason: str | None, logprobs: tuple[TokenLogprob, ...]
+) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": _text_logprobs(logprobs),
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def _text_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    """Return the completions API's logprobs columns (its `text_offset` counts from the answer's start)."""
+    if not logprobs:
+        return None
+    offsets = [0]
+    for entry in logprobs[:-1]:
+        offsets.append(offsets[-1] + len(entry.token))
+    return {
+        "tokens": [entry.token for entry in logprobs],
+        "token_logprobs": [entry.logprob for entry in logprobs],
+        "top_logprobs": [{top.token: top.logprob for top in entry.top} for entry in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _completion(
+    request_id: str, kind: str, model: str, choice: dict[str, Any], fingerprint: str | None
+) -> dict[str, Any]:
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+    return body | ({"system_fingerprint": fingerprint} if fingerprint is not None else {})
+
+
+def _reasoning(text: str) -> dict[str, str]:
+    # vLLM and SGLang name it reasoning_content, newer vLLM also reasoning: clients read one or the other.
+    return {"reasoning_content": text, "reasoning": text}
+
+
+def _tool_call_delta(piece: ToolCallDelta) -> dict[str, Any]:
+    function = ({"name": piece.name} if piece.name is not None else {}) | {"arguments": piece.arguments}
+    delta: dict[str, Any] = {"index": piece.index}
+    if piece.id is not None:
+        delta |= {"id": piece.id, "type": "function"}
+    return delta | {"function": function}
+
+
+def _byte_list(value: tuple[int, ...] | None) -> list[int] | None:
+    return None if value is None else list(value)

@@ -180,7 +180,8 @@ class UpstreamEngine:
                 f"this server returns one choice per request (n=1), got n={request.params.n}; send n separate requests",
                 param="n",
             )
-        body = api.sampling_fields(self.model_id, request.params)
+        body = api.sampling_fields(self.model_id, request.params, chat=request.messages is not None)
+        body |= request.extensions  # vLLM's and SGLang's own fields, as the client sent them
         moved: tuple[MovedValue, ...] = ()
         layout = request.messages is not None and request.layout and self._layout
         if request.messages is not None:
@@ -190,6 +191,12 @@ class UpstreamEngine:
                 messages, moved = laid_out.messages, laid_out.moved
             tools = canonicalize_tools(request.tools, self._rules)
             body |= {"messages": messages} | ({"tools": tools} if tools else {})
+            agent = {
+                "tool_choice": request.tool_choice,
+                "parallel_tool_calls": request.parallel_tool_calls,
+                "response_format": request.response_format,
+            }
+            body |= {name: value for name, value in agent.items() if value is not None}
             # Serialized in order, tools first, so a prompt that extends another extends its text too.
             text = json.dumps(tools or []) + "".join(json.dumps(message) for message in messages)
             endpoint = "chat/completions"
@@ -235,6 +242,11 @@ class UpstreamGeneration:
         self._closed = False
 
     @property
+    def system_fingerprint(self) -> str | None:
+        """Return the upstream's system fingerprint, once it has sent one."""
+        return self._stream.system_fingerprint
+
+    @property
     def cached_tokens(self) -> int | None:
         """Return the prompt tokens the upstream's cache served, once it has said (with its usage, at the end)."""
         return None if self._stream.usage is None else self._stream.usage.cached_tokens
@@ -261,7 +273,10 @@ class UpstreamGeneration:
         # -1: an upstream sends text, not token ids; its finish reasons are OpenAI's, as the local backend's are. A
         # stop string it names counts only when the request asked for it, as an Anthropic client is told which.
         stop = chunk.stop_sequence if chunk.stop_sequence in self._stops else None
-        return TokenChunk(-1, chunk.text, cast(FinishReason | None, chunk.finish_reason), stop)
+        finish_reason = cast(FinishReason | None, chunk.finish_reason)
+        return TokenChunk(
+            -1, chunk.text, finish_reason, stop, chunk.tool_calls, chunk.reasoning, chunk.refusal, chunk.logprobs
+        )
 
     async def aclose(self) -> None:
         """Stop (closing the connection stops the upstream) and count the request with the upstream's usage."""

@@ -151,7 +151,8 @@ class ServerTarget:
     # -- HTTP -----------------------------------------------------------------------------------------------------
 
     def _body(self, request: PromptRequest, *, stream: bool) -> dict[str, Any]:
-        body = api.sampling_fields(self.model, request.params) | {"layout": request.layout}
+        chat = request.messages is not None
+        body = api.sampling_fields(self.model, request.params, chat=chat) | {"layout": request.layout}
         if request.messages is not None:
             body["messages"] = request.messages
         else:

@@ -38,3 +38,32 @@ def test_same_seed_same_picks_and_no_seed_still_samples() -> None:
     params = SamplingParams(temperature=1.0, seed=123)
     assert picks(params) == picks(params)
     assert len(set(picks(SamplingParams(temperature=1.0)))) > 1
+
+
+def test_logit_bias_moves_the_choice_and_minus_100_bans_a_token() -> None:
+    assert set(picks(SamplingParams(temperature=0.0, logit_bias=((5, 2.5),)), 3)) == {5}  # 1.0 + 2.5 beats 3.0
+    banned = SamplingParams(temperature=1.0, seed=0, logit_bias=((1, -100.0), (2, -100.0)))
+    assert not {1, 2} & set(picks(banned))
+
+
+def test_frequency_penalty_grows_with_each_repeat_and_presence_penalty_counts_once() -> None:
+    # Greedy, 0.15 per repeat: 1 (3.0); 2 (2.9 beats 1's 2.85); 1 (2.85 beats 3's 2.8); 3 (2.8 beats 1's 2.7).
+    assert picks(SamplingParams(temperature=0.0, frequency_penalty=0.15), 4) == [1, 2, 1, 3]
+    # Paid once: 1 (3.0); 2 (2.9 beats 2.85); then 1 keeps 2.85 however often it comes, ahead of 3 (2.8) and 2 (2.75).
+    assert picks(SamplingParams(temperature=0.0, presence_penalty=0.15), 5) == [1, 2, 1, 1, 1]
+
+
+def test_min_tokens_rules_out_the_end_of_turn_until_reached() -> None:
+    sampler = Sampler(SamplingParams(temperature=0.0, min_tokens=2), CPU, eos_ids=frozenset({1}))
+    assert [sampler.pick(LOGITS) for _ in range(3)] == [2, 2, 1]
+
+
+def test_logprobs_are_the_models_own_with_the_top_tokens_in_order() -> None:
+    sampler = Sampler(
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3), CPU, token_text=lambda t: f"<{t}>"
+    )
+    expected = torch.log_softmax(LOGITS, dim=-1)
+    entry = sampler.logprob(LOGITS, 2)
+    assert (entry.token, entry.bytes) == ("<2>", tuple(b"<2>"))
+    assert entry.logprob == float(expected[2])
+    assert [(top.token, top.logprob) for top in entry.top] == [(f"<{t}>", float(expected[t])) for t in (1, 2, 3)]

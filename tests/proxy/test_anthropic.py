@@ -55,8 +55,8 @@ async def test_a_stream_sends_anthropics_events_in_order_with_the_same_answer(se
     deltas = wire.count("content_block_delta")
     assert deltas >= 1 and wire == [
         "message_start",
-        "content_block_start",
         "ping",
+        "content_block_start",
         *["content_block_delta"] * deltas,
         "content_block_stop",
         "message_delta",
@@ -104,9 +104,13 @@ async def test_system_blocks_with_breakpoints_are_taken_and_checked_as_anthropic
         ({"system": [short] * 4, "cache_control": {"type": "ephemeral"}}, "at most 4 cache_control breakpoints"),
         ({"system": [short, block]}, 'ttl "1h" must not come after one with ttl "5m"'),
         ({"system": [block | {"cache_control": {"type": "ephemeral", "ttl": "2h"}}]}, "ttl"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text content blocks"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "text, tool_use and tool_result content blocks",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "unknown field"),
-        ({"tool_choice": {"type": "any"}}, "tool_choice 'any' is not supported"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
+        ({"tool_choice": {"type": "tool"}}, 'needs "name", the tool to call'),
     ]
     for fields, message in cases:
         with pytest.raises(anthropic.BadRequestError, match=message) as refused:

@@ -93,7 +93,12 @@ generation_fields = {
     "seed": st.integers(0, 2**31),
     "frequency_penalty": st.floats(-2, 2),
     "presence_penalty": st.floats(-2, 2),
-    "logit_bias": st.dictionaries(st.text(max_size=6), st.floats(-100, 100), max_size=3),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.text(max_size=6), st.integers(0, 60_000).map(str)), st.floats(-100, 100), max_size=3
+    ),
+    "min_tokens": st.integers(0, 8),
+    "ignore_eos": st.booleans(),
+    "repetition_penalty": st.floats(0.5, 2),
     "user": text,
     "cache_salt": st.text(min_size=1, max_size=256),
     "layout": st.booleans(),
@@ -104,16 +109,35 @@ chat_bodies = bodies(
         **generation_fields,
         "max_completion_tokens": st.integers(1, 6),
         "tools": st.lists(st.one_of(tool, tool, odd_tool), max_size=2),
-        "tool_choice": st.sampled_from(["none", "auto"]),
+        "tool_choice": st.one_of(
+            st.sampled_from(["none", "auto", "required"]),
+            st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": text})}),
+        ),
+        "parallel_tool_calls": st.booleans(),
         "logprobs": st.booleans(),
-        "response_format": st.just({"type": "text"}),
+        "top_logprobs": st.integers(0, 20),
+        "response_format": st.one_of(
+            st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("json_schema"),
+                    "json_schema": st.fixed_dictionaries({"name": text}, optional={"schema": json_values}),
+                }
+            ),
+        ),
         "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
     },
 )
 prompt = st.text(min_size=1, max_size=60)
 completion_bodies = bodies(
     {"model": st.just(MODEL), "prompt": st.one_of(prompt, st.lists(prompt, min_size=1, max_size=1))},
-    {**generation_fields, "echo": st.just(False), "suffix": st.none(), "best_of": st.just(1)},
+    {
+        **generation_fields,
+        "echo": st.just(False),
+        "suffix": st.none(),
+        "best_of": st.just(1),
+        "logprobs": st.integers(0, 5),
+    },
 )
 
 

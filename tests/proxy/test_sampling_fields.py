@@ -1,0 +1,94 @@
+"""Per-request sampling fields on the local model, through HTTP with the official `openai` client: logprobs and
+top_logprobs (chat and completions, whole and streamed), logit_bias, presence and frequency penalties, min_tokens and
+ignore_eos. Each request's fields act on its own answer only, also when requests share a step."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import openai
+from aiohttp.test_utils import TestClient
+from transformers import PreTrainedTokenizerFast
+
+from tests.proxy.conftest import MODEL, SYSTEM, Serve
+
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+
+
+def client_of(server: TestClient[Any, Any]) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+async def test_greedy_logprobs_name_the_chosen_token_first_with_its_probability(serve: Serve) -> None:
+    client = client_of(await serve())
+    whole = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = whole.choices[0].logprobs and whole.choices[0].logprobs.content
+    assert content is not None and len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+        assert [top.logprob for top in entry.top_logprobs] == sorted(
+            (top.logprob for top in entry.top_logprobs), reverse=True
+        )
+        assert entry.logprob <= 0 and sum(math.exp(top.logprob) for top in entry.top_logprobs) <= 1 + 1e-6
+        assert entry.bytes == list(entry.token.encode())
+
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, stream=True
+    )
+    streamed = [
+        entry
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content or ()
+    ]
+    # Warm now (the first request cached the prompt): the same tokens, their logprobs equal to float rounding.
+    assert [entry.token for entry in streamed] == [entry.token for entry in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content, strict=True))
+    assert all(entry.top_logprobs == [] for entry in streamed)  # none asked for
+
+    text = await client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=5, temperature=0, logprobs=2)
+    columns = text.choices[0].logprobs
+    assert columns is not None and columns.tokens is not None and len(columns.tokens) == 5
+    assert columns.top_logprobs is not None and all(len(top) <= 2 for top in columns.top_logprobs)
+    assert columns.token_logprobs == [max(top.values()) for top in columns.top_logprobs]
+    plain = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None  # only when asked
+
+
+async def test_logit_bias_min_tokens_and_ignore_eos_shape_the_answer(
+    serve: Serve, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    client = client_of(await serve())
+    end = str(tokenizer.eos_token_id)
+    fields: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    ended = await client.chat.completions.create(**fields, logit_bias={end: 100})
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)  # type: ignore[union-attr]
+    later = await client.chat.completions.create(**fields, logit_bias={end: 100}, extra_body={"min_tokens": 3})
+    assert (later.choices[0].finish_reason, later.usage.completion_tokens) == ("stop", 4)  # type: ignore[union-attr]
+    ignored = await client.chat.completions.create(**fields, logit_bias={end: 100}, extra_body={"ignore_eos": True})
+    assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", 6)  # type: ignore[union-attr]
+
+    plain = await client.chat.completions.create(**fields, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token  # type: ignore[union-attr, index]
+    first_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(first))[0]
+    banned = await client.chat.completions.create(**fields, logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first  # type: ignore[union-attr, index]
+
+
+async def test_penalties_change_only_their_own_request_in_a_shared_step(serve: Serve) -> None:
+    client = client_of(await serve())
+    fields: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+    alone = await client.chat.completions.create(**fields, logprobs=True)
+    tokens = [entry.token for entry in alone.choices[0].logprobs.content]  # type: ignore[union-attr]
+    together = await asyncio.gather(
+        client.chat.completions.create(**fields, logprobs=True),
+        client.chat.completions.create(**fields, logprobs=True, frequency_penalty=2.0, presence_penalty=2.0),
+    )
+    plain, penalized = ([entry.token for entry in answer.choices[0].logprobs.content] for answer in together)  # type: ignore[union-attr]
+    assert plain == tokens  # the penalized neighbour in its steps changed nothing here
+    assert penalized != tokens

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
     from prefixgate.backends.admission import AdmissionStats
     from prefixgate.backends.kv_buffers import KVReservation
     from prefixgate.backends.shared_prefix import PrefixStart
+    from prefixgate.backends.tool_calls import ToolFormat
 
 # A local model stops or runs out of tokens; an upstream may also say "tool_calls" or "content_filter".
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
@@ -76,6 +77,8 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many of the most likely tokens at its position
     min_tokens: int = 0  # the end of the turn cannot come before this many (stop strings still apply, as in vLLM)
     ignore_eos: bool = False  # run to max_tokens or a stop string, past the end of the turn
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) the answer must follow
+    skip_special_tokens: bool = True  # leave special tokens out of the answer's text
 
     def __post_init__(self) -> None:
         # Ranges that hold for every model; what depends on the model (context, n) the backend checks.
@@ -196,6 +199,7 @@ class Backend(Protocol):
     max_prompt_chars: int | None
     prefix_reuse: bool
     reuse_refusal: str | None
+    tool_format: ToolFormat  # how the model writes tool calls, by its chat template
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render chat messages with the model's own template, ending with the assistant's turn.

@@ -20,6 +20,7 @@ from prefixgate.backends import sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
 from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
+from prefixgate.backends.grammar import Grammars
 from prefixgate.backends.handoff import LoopHandoff
 from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
 from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal, sharing_refusal
@@ -30,6 +31,7 @@ from prefixgate.backends.scheduler import Scheduler
 from prefixgate.backends.sequence import Decoding, SequencePlan
 from prefixgate.backends.shared_prefix import MIN_SHARED_TOKENS, PrefixStart, SharedPrefixes
 from prefixgate.backends.text_stream import TextStream
+from prefixgate.backends.tool_calls import ToolFormat, format_for, generic
 from prefixgate.backends.worker import StepListener, Worker
 from prefixgate.errors import (
     ConfigError,
@@ -102,6 +104,8 @@ class HFBackend:
         self._runner = ModelRunner(model)
         self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
+        self.tool_format: ToolFormat = format_for(tokenizer.chat_template)
+        self._grammars = Grammars(tokenizer)
         # Each token's text alone, for log probabilities: decoded once per token id, on the model thread.
         self._token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token: str(tokenizer.decode([token], skip_special_tokens=False))
@@ -190,11 +194,10 @@ class HFBackend:
                 f"model {self.model_id!r} has no chat template; send a plain prompt to the completions API instead",
                 param="messages",
             )
-        if tools and "tools" not in self._tokenizer.chat_template:
-            # Rendering would drop them without a word, and the model would answer as if it had no tools.
-            raise RequestError(
-                f"model {self.model_id!r}'s chat template does not render tools; leave tools out", param="tools"
-            )
+        if self.tool_format is generic.FORMAT and (tools or any(_of_tools(message) for message in messages)):
+            # The template renders no tools (it would drop them without a word): the system prompt tells them, and
+            # earlier calls and results become plain turns.
+            messages, tools = generic.render(messages, tools), None
         tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
         try:
             # Rendered to text first, then tokenized as apply_chat_template(tokenize=True) does, so that text far
@@ -293,14 +296,7 @@ class HFBackend:
             if reservation is not None:  # taken over all the same, as prefill() does: a refused request holds none
                 reservation.release()
             raise
-        decoding = Decoding(
-            sampler=Sampler(params, self.device, eos_ids=self._eos_ids, token_text=self._token_text),
-            text=TextStream(self.decode, plan.prompt, params.stop),
-            eos_ids=frozenset() if params.ignore_eos else self._eos_ids,
-            max_tokens=params.max_tokens,
-            logprobs=params.logprobs,
-        )
-        return self._stream(plan, decoding, on_block if self.prefix_reuse else None, reservation)
+        return self._stream(plan, params, on_block if self.prefix_reuse else None, reservation)
 
     async def prefill(
         self,
@@ -332,10 +328,30 @@ class HFBackend:
     async def _stream(
         self,
         plan: SequencePlan,
-        decoding: Decoding,
+        params: SamplingParams,
         on_block: BlockCallback | None,
         reservation: KVReservation | None,
     ) -> AsyncGenerator[TokenChunk, None]:
+        try:
+            # Off the loop: a large schema takes up to a second to compile.
+            constraint = (
+                None if params.grammar is None else await asyncio.to_thread(self._grammars.compile, params.grammar)
+            )
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        decode = functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens)
+        sampler = Sampler(
+            params, self.device, eos_ids=self._eos_ids, token_text=self._token_text, constraint=constraint
+        )
+        decoding = Decoding(
+            sampler=sampler,
+            text=TextStream(decode, plan.prompt, params.stop),
+            eos_ids=frozenset() if params.ignore_eos else self._eos_ids,
+            max_tokens=params.max_tokens,
+            logprobs=params.logprobs,
+        )
         async with contextlib.aclosing(self._run(plan, decoding, on_block, reservation)) as items:
             async for item in items:
                 assert isinstance(item, TokenChunk)
@@ -550,6 +566,11 @@ def _max_prompt_characters(tokenizer: PreTrainedTokenizerBase, context_length: i
     if back != _ROUND_TRIP_PROBE or longest < 1:
         return None
     return context_length * longest * _MOST_COMPOSED
+
+
+def _of_tools(message: dict[str, Any]) -> bool:
+    """Say whether a message is a tool call or a tool's result."""
+    return message.get("role") == "tool" or bool(message.get("tool_calls"))
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Set
 import torch
 
 from prefixgate.backends.backend import SamplingParams, TokenLogprob, TopLogprob
+from prefixgate.backends.grammar import Constraint
 
 TokenText = Callable[[int], str]
 """`token_text(token_id)`: the text of one token alone, as a client is shown it with its log probability."""
@@ -18,7 +19,8 @@ class Sampler:
 
     Before picking, the logits take the request's `logit_bias`, then lose `frequency_penalty` for each time a token
     was generated before and `presence_penalty` once if it was (as OpenAI and vLLM count them: generated tokens only),
-    and the end-of-turn tokens are ruled out until `min_tokens` are generated. Log probabilities are the model's own,
+    a `constraint` leaves only the tokens its grammar allows, and the end-of-turn tokens are ruled out until
+    `min_tokens` are generated (unless the grammar allows nothing else). Log probabilities are the model's own,
     before any of that (as vLLM reports them by default), so they say how likely the model found the token.
     """
 
@@ -29,8 +31,10 @@ class Sampler:
         *,
         eos_ids: Set[int] = frozenset(),
         token_text: TokenText = str,
+        constraint: Constraint | None = None,
     ) -> None:
         self._params = params
+        self._constraint = constraint
         self._eos_ids = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
         self._token_text = token_text
         self._generated = 0
@@ -51,6 +55,8 @@ class Sampler:
         self._generated += 1
         if self._counts is not None:
             self._counts[token] += 1
+        if self._constraint is not None:
+            self._constraint.advance(token)
         return token
 
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
@@ -77,8 +83,12 @@ class Sampler:
                 self._counts = torch.zeros_like(logits, dtype=torch.float32)
             counts = self._counts
             logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        if self._constraint is not None:
+            logits = self._constraint.allowed(logits)
         if self._generated < params.min_tokens and self._eos_ids.numel():
-            logits = logits.index_fill(-1, self._eos_ids, float("-inf"))
+            ended = logits.index_fill(-1, self._eos_ids, float("-inf"))
+            # A grammar that is complete allows nothing but the end: it wins over min_tokens.
+            logits = ended if bool(torch.isfinite(ended).any()) else logits
         return logits
 
     def _choose(self, logits: torch.Tensor) -> int:

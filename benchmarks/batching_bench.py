@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -101,15 +102,22 @@ async def launched(command: Callable[[int], list[str]]) -> AsyncIterator[Served]
 
 
 async def stream(
-    session: aiohttp.ClientSession, url: str, content: str, max_tokens: int, into: list[Stream] | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    content: str,
+    max_tokens: int,
+    into: list[Stream] | None = None,
+    **fields: Any,
 ) -> Stream:
-    """Send one streamed chat request and record when each piece of its answer arrives (also in `into`, at once)."""
+    """Send one streamed chat request (with `fields` added to its body) and record when each piece of its answer
+    arrives (also in `into`, at once)."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        **fields,
     }
     record = Stream(time.perf_counter())
     if into is not None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prefixgate.backends import TokenChunk, TokenLogprob, ToolCallDelta
+from prefixgate.backends.tool_calls import call_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +58,7 @@ def assemble(chunks: Iterable[TokenChunk]) -> Answer:
     )
 
 
-def tool_call_id() -> str:
-    """Return a new tool call id, in OpenAI's form, for a call that came without one."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def _joined(pieces: list[ToolCallDelta]) -> ToolCall:
-    call_id = next((piece.id for piece in pieces if piece.id), None) or tool_call_id()
+    given = next((piece.id for piece in pieces if piece.id), None)
     name = next((piece.name for piece in pieces if piece.name), "")
-    return ToolCall(call_id, name, "".join(piece.arguments for piece in pieces))
+    return ToolCall(given or call_id(), name, "".join(piece.arguments for piece in pieces))

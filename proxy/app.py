@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from prefixgate.backends import HFBackend, TokenChunk
 from prefixgate.backends.router import Upstream
+from prefixgate.backends.tool_calls import call_id
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError
 from prefixgate.errors import (
     ContextLengthError,
@@ -30,7 +31,7 @@ from prefixgate.errors import (
 )
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
-from prefixgate.proxy.answer import Answer, assemble, tool_call_id
+from prefixgate.proxy.answer import Answer, assemble
 from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
@@ -422,7 +423,7 @@ class _ContentBlocks:
         if token.text:
             await self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": token.text})
         for piece in token.tool_calls:
-            block = anthropic.tool_use(piece.id or tool_call_id(), piece.name or "", "{}")
+            block = anthropic.tool_use(piece.id or call_id(), piece.name or "", "{}")
             delta = {"type": "input_json_delta", "partial_json": piece.arguments} if piece.arguments else None
             await self._delta(piece.index, block, delta)
 

@@ -32,6 +32,7 @@ from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.prompt_size import check_prompt_size
 from prefixgate.proxy.statistics import EngineStats
+from prefixgate.proxy.tool_use import ToolCallStream, answer_grammar
 from prefixgate.store import (
     Block,
     BlockKey,
@@ -103,18 +104,8 @@ class PromptRequest:
 
 
 def refuse_unsupported(request: PromptRequest) -> None:
-    """Raise RequestError for what a request asks of the local model that it does not do yet (issue 24).
-
-    In front of upstreams all of it passes on: they do it, or refuse it themselves.
-    """
-    if request.tool_choice not in (None, "auto", "none"):
-        raise RequestError(
-            "this model's tool calls come back as text, so a call cannot be required or named; use tool_choice auto "
-            "or none",
-            param="tool_choice",
-        )
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        raise RequestError("only response_format {'type': 'text'} is supported by this model", param="response_format")
+    """Raise RequestError for the fields only upstreams act on (vLLM's and SGLang's own): a local model would
+    ignore them, and nothing is silently ignored."""
     for name in request.extensions:
         raise RequestError(f"{name} is not supported by this model; leave it out", param=name)
 
@@ -257,6 +248,15 @@ class Engine:
         started = time.perf_counter()
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
         refuse_unsupported(request)
+        tool_format = self.backend.tool_format
+        params = replace(
+            request.params,
+            grammar=answer_grammar(
+                request.tools, request.tool_choice, request.parallel_tool_calls, request.response_format, tool_format
+            ),
+            skip_special_tokens=request.params.skip_special_tokens and not tool_format.special_markers,
+        )
+        calls = ToolCallStream(tool_format) if request.tools and request.tool_choice != "none" else None
         prepared = await self.prepare(request)
         # The context check first, so nothing is done for a request that cannot run; then the cached prefix is found,
         # read from a shared copy or fetched into one, and the request admitted for the rest of its KV memory, into
@@ -276,7 +276,7 @@ class Engine:
             stream = self.backend.generate(
                 prepared.token_ids,
                 hit.kv,
-                request.params,
+                params,
                 on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
             )
@@ -291,7 +291,7 @@ class Engine:
             raise
         try:
             # The blocks are the request's cache now: keep only where they came from.
-            generation = Generation(self, request_id, prepared, replace(hit, blocks=()), stream, owned, started)
+            generation = Generation(self, request_id, prepared, replace(hit, blocks=()), stream, owned, started, calls)
             await generation.start()
         except BaseException as error:
             self._fail(owned, error)
@@ -571,6 +571,7 @@ class Generation:
         stream: AsyncIterator[TokenChunk],
         owned: list[BlockKey],
         started: float,
+        calls: ToolCallStream | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -586,6 +587,7 @@ class Generation:
         self._owned = owned
         self._started = started
         self._first: TokenChunk | None = None
+        self._calls = calls  # the answer's tool calls, parsed as it streams; None when it has no tools to call
         self._closed = False
 
     @property
@@ -631,6 +633,8 @@ class Generation:
         else:
             chunk = await anext(self._stream)
         self.completion_tokens += 1
+        if self._calls is not None:
+            chunk = self._calls.chunk(chunk)
         self.finish_reason = chunk.finish_reason
         return chunk
 

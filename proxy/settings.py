@@ -33,7 +33,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from prefixgate.errors import ConfigError
 from prefixgate.policies import policy_names
-from prefixgate.store.redis_tier import masked_url
+from prefixgate.urls import masked_url
 
 _config_file: ContextVar[Path | None] = ContextVar("prefixgate_config_file", default=None)
 

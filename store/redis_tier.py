@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 import torch
@@ -45,6 +45,7 @@ from prefixgate.store.keys import BlockKey
 from prefixgate.store.redis_stream import CommandStream, OversizeValue, ReplyError
 from prefixgate.store.tier import TierCounters
 from prefixgate.threads import use_threads
+from prefixgate.urls import masked_url
 
 log = logging.getLogger(__name__)
 
@@ -696,20 +697,6 @@ class RedisTier:
                 self.url,
             )
         self._secret_conflict = conflict
-
-
-def masked_url(url: str) -> str:
-    """Return `url` with any password in it replaced by `***`, fit for logs and stats."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    userinfo, at, hostport = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
-    query = parts.query
-    fields = parse_qsl(query, keep_blank_values=True)
-    if any(name == "password" for name, _ in fields):  # redis-py also takes `?password=`
-        query = urlencode([(name, "***" if name == "password" else value) for name, value in fields], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _redis_key(key: BlockKey) -> str:

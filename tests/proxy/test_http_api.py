@@ -174,6 +174,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("temperature too high", chat(temperature=3), 400, "temperature", "less than or equal to 2"),
     ("n above one", chat(n=2), 400, "n", "n=1"),
     ("unknown field", chat(frobnicate=True), 400, "frobnicate", "unknown field"),
+    ("a lone surrogate", chat("Hi \ud800 there"), 400, "messages.1.content", "lone surrogate (\\ud800)"),
+    ("a lone surrogate in a key", chat(metadata={"\udfff": "x"}), 400, "metadata.\udfff", "lone surrogate"),
     ("penalty out of range", chat(frequency_penalty=2.5), 400, "frequency_penalty", "less than or equal to 2"),
     ("logit_bias of a word", chat(logit_bias={"hello": 5}), 400, "logit_bias", "token ids"),
     ("logit_bias past the vocabulary", chat(logit_bias={"99999999": 5}), 400, "logit_bias", "outside this model's"),
@@ -230,6 +232,25 @@ async def test_bad_input_gets_a_clear_openai_error(
     assert words.lower() in error["message"].lower()
     if param is not None:
         assert error["param"] == param
+
+
+async def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_face(serve: Serve) -> None:
+    client = await serve()
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}],
+    }
+    response = await client.post("/v1/messages", json=body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (
+        error["type"] == "invalid_request_error"
+        and "messages.0.content.0.text holds a lone surrogate" in error["message"]
+    )
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "\udc00"})
+    assert response.status == 400 and (await response.json())["error"]["param"] == "prompt"
+    assert (await client.post("/v1/chat/completions", json=chat("Hi \ud83d\ude00"))).status == 200  # a pair is text
 
 
 async def test_errors_for_unknown_model_large_body_and_unknown_route(serve: Serve) -> None:

@@ -32,7 +32,11 @@ from tests.proxy.conftest import MODEL, tiny_engine
 Post = Callable[[str, Any], tuple[int, str]]
 EXAMPLES = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)
+plain_text = st.text(max_size=60)
+# A lone surrogate ("\\ud800") is valid JSON but no text: one string in ten carries one, in every text field.
+odd_text = st.text(alphabet=st.one_of(st.characters(), st.characters(categories=["Cs"])), min_size=1, max_size=60)
+text = st.one_of(*[plain_text] * 9, odd_text)
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | text
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
@@ -56,7 +60,6 @@ def bodies(required: dict[str, Any], optional: dict[str, Any]) -> st.SearchStrat
     return st.one_of(valid, st.builds(corrupt, valid, st.sampled_from(names), json_values))
 
 
-text = st.text(max_size=60)
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1, max_size=3)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": st.one_of(text, parts)},
@@ -128,7 +131,7 @@ chat_bodies = bodies(
         "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
     },
 )
-prompt = st.text(min_size=1, max_size=60)
+prompt = st.one_of(st.text(min_size=1, max_size=60), odd_text)
 completion_bodies = bodies(
     {"model": st.just(MODEL), "prompt": st.one_of(prompt, st.lists(prompt, min_size=1, max_size=1))},
     {
@@ -137,6 +140,48 @@ completion_bodies = bodies(
         "suffix": st.none(),
         "best_of": st.just(1),
         "logprobs": st.integers(0, 5),
+    },
+)
+
+
+text_block = st.fixed_dictionaries({"type": st.just("text"), "text": text})
+tool_use = st.fixed_dictionaries(
+    {"type": st.just("tool_use"), "id": text, "name": text, "input": st.dictionaries(text, json_values, max_size=3)}
+)
+tool_result = st.fixed_dictionaries(
+    {"type": st.just("tool_result"), "tool_use_id": text},
+    optional={"content": st.one_of(text, st.lists(text_block, max_size=2)), "is_error": st.booleans()},
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": st.one_of(text, st.lists(st.one_of(text_block, tool_use, tool_result), min_size=1, max_size=3)),
+    }
+)
+anthropic_tool = st.fixed_dictionaries(
+    {"name": st.text(min_size=1, max_size=20), "input_schema": st.dictionaries(st.text(max_size=8), json_values)},
+    optional={"description": text},
+)
+messages_bodies = bodies(
+    {
+        "model": st.just(MODEL),
+        "max_tokens": st.integers(1, 6),
+        "messages": st.lists(field(anthropic_message), min_size=1, max_size=3),
+    },
+    {
+        "system": st.one_of(text, st.lists(text_block, max_size=2)),
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(0, 50),
+        "stop_sequences": st.lists(st.text(min_size=1, max_size=10), max_size=3),
+        "stream": st.booleans(),
+        "metadata": st.fixed_dictionaries({}, optional={"user_id": text}),
+        "tools": st.lists(anthropic_tool, max_size=2),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])}),
+            st.fixed_dictionaries({"type": st.just("tool"), "name": text}),
+        ),
+        "cache_salt": st.text(min_size=1, max_size=256),
     },
 )
 
@@ -200,6 +245,18 @@ def test_no_chat_completions_body_gets_a_server_error(post: Post, body: dict[str
 @given(body=completion_bodies)
 def test_no_completions_body_gets_a_server_error(post: Post, body: dict[str, Any]) -> None:
     assert_answered_as_a_client_error_or_ok(*post("/v1/completions", body))
+
+
+@EXAMPLES
+@given(body=messages_bodies)
+def test_no_messages_body_gets_a_server_error(post: Post, body: dict[str, Any]) -> None:
+    status, answer = post("/v1/messages", body)
+    event(f"HTTP {status}")
+    assert status < 500, answer
+    if status >= 400:
+        error = json.loads(answer)
+        assert error["type"] == "error" and error["error"]["type"] in {"invalid_request_error", "rate_limit_error"}
+    assert "api_error" not in answer, answer  # a stream answers 200 first: a fault would be an error event in it
 
 
 @EXAMPLES

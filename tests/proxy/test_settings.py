@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,23 @@ def test_the_cli_help_documents_every_setting(capsys: pytest.CaptureFixture[str]
     assert "repeat --api-key for more" in words and "repeat --layout-pattern for more" in words
     assert "--remote URL" in words and "repeat --remote for each node of a Redis Cluster" in words
     assert "--remote-queue-budget BYTES" in words and "(default: 256MiB)" in words
+
+
+def test_help_version_and_refusals_never_import_the_model_stack() -> None:
+    # In a fresh interpreter, as `prefixgate` starts: torch and transformers take seconds to import, and are imported
+    # only to serve (the command line answers in a fraction of a second).
+    script = (
+        "import sys\nfrom prefixgate.proxy import cli\n"
+        "for argv in (['--help'], ['--version'], ['serve', '--help'], ['serve', '--port', '99999'],"
+        " ['serve', '--remote', 'http://x'], ['serve', '--config', 'missing.toml']):\n"
+        "    try:\n        print('exit', cli.main(argv))\n"
+        "    except SystemExit as stop:\n        print('exit', stop.code)\n"
+        "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("exit")] == ["exit 0"] * 3 + ["exit 2"] * 3, result.stderr
+    assert lines[-1] == "[]", result.stdout
 
 
 def test_a_malformed_config_file_is_one_clear_error(tmp_path: Path) -> None:

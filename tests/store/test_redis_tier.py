@@ -16,7 +16,8 @@ import torch
 from prefixgate.errors import ConfigError, StoreError
 from prefixgate.store import Block, BlockKey, Keep, chain_keys, redis_tier, tail_key
 from prefixgate.store.codec import encode
-from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier, masked_url
+from prefixgate.store.redis_tier import KEY_PREFIX, SECRET_KEY, RedisTier
+from prefixgate.urls import masked_url
 from tests.services import PASSWORD, RedisClusterNodes, RedisServer
 from tests.store.conftest import BLOCK, LAYOUT, FakeClock, make_kv, make_namespace
 

@@ -32,6 +32,7 @@ from prefixgate.errors import (
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.answer import Answer, assemble
+from prefixgate.proxy.body import OFF_LOOP_BYTES, off_loop, parsed
 from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
@@ -172,18 +173,18 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    return await _generate(request, api.parse_json(await request.read(), api.ChatCompletionRequest), chat=True)
+    return await _generate(request, await parsed(await request.read(), api.ChatCompletionRequest), chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    return await _generate(request, api.parse_json(await request.read(), api.CompletionRequest), chat=False)
+    return await _generate(request, await parsed(await request.read(), api.CompletionRequest), chat=False)
 
 
 async def _generate(
     request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
 ) -> web.StreamResponse:
-    generation = await _start(request, body.model, body.to_prompt_request(request[TENANT]), chat=chat)
+    generation = await _start(request, body.model, await _prompt(request, body), chat=chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
@@ -196,6 +197,28 @@ async def _generate(
     usage = generation.usage()
     payload = render(generation.request_id, body.model, answer, finish_reason, usage, generation.system_fingerprint)
     return web.json_response(payload, headers=_headers(generation))
+
+
+async def _prompt(
+    request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest | anthropic.MessagesRequest
+) -> PromptRequest:
+    """Return the engine's request for a body: off the loop for a large one, as the body was parsed (400,000
+    messages take a third of a second to translate)."""
+    if (request.content_length or 0) <= OFF_LOOP_BYTES:
+        return body.to_prompt_request(request[TENANT])
+    return await off_loop(_translated, body, request[TENANT])
+
+
+def _translated(
+    body: api.ChatCompletionRequest | api.CompletionRequest | anthropic.MessagesRequest, tenant: str
+) -> PromptRequest:
+    """Return the engine's request for a large body, and let go of the body's own copy of the prompt here, in the
+    worker thread: freed on the loop when the request ends, 400,000 messages would hold it 80 ms."""
+    prompt = body.to_prompt_request(tenant)
+    for name in ("messages", "tools"):
+        if isinstance(getattr(body, name, None), list):
+            setattr(body, name, [])
+    return prompt
 
 
 async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
@@ -212,10 +235,10 @@ async def _start(request: web.Request, model: str, prompt: PromptRequest, *, cha
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages: Anthropic's Messages API on the same engine."""
-    body = api.parse_json(await request.read(), anthropic.MessagesRequest)
+    body = await parsed(await request.read(), anthropic.MessagesRequest)
     if body.max_tokens == 0:
         return await _prewarm(request, body)
-    generation = await _start(request, body.model, body.to_prompt_request(request[TENANT]), chat=True)
+    generation = await _start(request, body.model, await _prompt(request, body), chat=True)
     message_id = anthropic.message_id()
     if body.stream:
         async with generation:
@@ -235,7 +258,7 @@ async def _prewarm(request: web.Request, body: anthropic.MessagesRequest) -> web
         raise RequestError(
             "max_tokens 0 fills a cache of this server's own, and this one forwards to upstreams", param="max_tokens"
         )
-    warmed = await engine.warm(body.to_prompt_request(request[TENANT]))
+    warmed = await engine.warm(await _prompt(request, body))
     usage = Usage(warmed.prompt_tokens, 0, warmed.read_tokens, {}, warmed.cache_writes)
     empty = Answer("", "", "", (), (), None)
     return web.json_response(anthropic.message(anthropic.message_id(), body.model, empty, "length", usage))
@@ -243,11 +266,11 @@ async def _prewarm(request: web.Request, body: anthropic.MessagesRequest) -> web
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the prompt tokens of a Messages body, as this server renders it."""
-    body = api.parse_json(await request.read(), anthropic.CountTokensRequest)
+    body = await parsed(await request.read(), anthropic.CountTokensRequest)
     engine = _engine_for(request, body.model)
     if isinstance(engine, UpstreamEngine):
         raise RequestError("counting tokens needs the model's tokenizer, and this server forwards to upstreams")
-    prepared = await engine.prepare(body.to_prompt_request(request[TENANT]))
+    prepared = await engine.prepare(await _prompt(request, body))
     return web.json_response({"input_tokens": len(prepared.token_ids)})
 
 

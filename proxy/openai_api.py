@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,11 +12,8 @@ from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
 
-_Body = TypeVar("_Body", bound=BaseModel)
-
 # What an unset max_tokens means: OpenAI runs to the context's end; a CPU proxy stops earlier, and says so in /docs.
 DEFAULT_MAX_TOKENS = 512
-MAX_JSON_DEPTH = 64  # lists and objects within each other; real tool schemas nest a dozen levels at most
 # Every generated token is checked against every stop string, and text that could begin one is held back: bounded, so
 # that no request's stop strings cost the model thread more than a little per token. OpenAI takes up to 4.
 MAX_STOP_STRINGS = 16
@@ -367,56 +363,6 @@ def sampling_fields(model: str, params: SamplingParams, *, chat: bool) -> dict[s
     elif params.logprobs:
         body["logprobs"] = params.top_logprobs
     return body
-
-
-def parse_json(raw: bytes, model: type[_Body]) -> _Body:
-    """Return a JSON request body validated as `model`; raise RequestError when it is not a JSON object."""
-    return model.model_validate(json_object(raw))
-
-
-def json_object(raw: bytes) -> dict[str, Any]:
-    """Return a request body's JSON object; raise RequestError when it is not one."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted") from None
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    _check_values(data)
-    return data
-
-
-def _check_values(body: dict[str, Any]) -> None:
-    """Refuse a body that nests too deeply or holds text no encoder takes (a lone surrogate, `"\\ud800"`: valid JSON,
-    but no UTF-8 text), naming where; without recursion, linear in the body's size."""
-    # Every later step (validation, canonical tool JSON, the chat template, the tokenizer) walks or encodes the text.
-    pending: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while pending:
-        item, depth, path = pending.pop()
-        if isinstance(item, str):
-            _encodable(item, path)
-        elif isinstance(item, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted")
-            entries = item.items() if isinstance(item, dict) else enumerate(item)
-            for key, child in entries:
-                name = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str):
-                    _encodable(key, name)
-                pending.append((child, depth + 1, name))
-
-
-def _encodable(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(
-            f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[error.start]):04x}), which is no text; send "
-            "valid UTF-16 pairs or the character itself",
-            param=path or None,
-        ) from None
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

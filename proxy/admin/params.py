@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefixgate.errors import RequestError
 from prefixgate.proxy import openai_api as api
+from prefixgate.proxy.body import parsed, parsed_object
 from prefixgate.store import BlockKey
 
 MAX_LIMIT = 1000
@@ -60,12 +61,12 @@ ExplainRequest = ChatExplainRequest | TextExplainRequest  # a warm body is one t
 async def parse_body(request: web.Request, model: type[_Body]) -> _Body:
     """Return the JSON body validated as `model`; an empty body is an empty object."""
     raw = await request.read()
-    return api.parse_json(raw if raw.strip() else b"{}", model)  # a flush of everything needs no body
+    return await parsed(raw if raw.strip() else b"{}", model)  # a flush of everything needs no body
 
 
 async def parse_prompt_body(request: web.Request, chat: type[_Chat], text: type[_Text]) -> _Chat | _Text:
     """Return a warm or explain body: a text completion request when it has a `prompt`, else a chat request."""
-    data = api.json_object(await request.read())
+    data = await parsed_object(await request.read())
     return (text if "prompt" in data else chat).model_validate(data)
 
 

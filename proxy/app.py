@@ -285,8 +285,9 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: "ok"; "degraded" while the remote tier, or some upstream, does not answer (requests go on
-    without it); 503 "unavailable" once the model has stopped, or while no upstream answers."""
+    """GET /health: "ok"; "degraded" while a store tier fails (naming it and its last error), the remote tier, or
+    some upstream, does not answer (requests go on without it); 503 "unavailable" once the model has stopped, or
+    while no upstream answers."""
     engine = request.app[ENGINE]
     if isinstance(engine, UpstreamEngine):
         return _upstream_health(engine)
@@ -298,6 +299,9 @@ async def health(request: web.Request) -> web.Response:
     problem = engine.backend.problem()
     if problem is not None:
         return web.json_response(body | {"status": "unavailable", "problem": problem}, status=503)
+    failing = {tier.name: tier.problem for tier in engine.store.tiers if tier.problem is not None}
+    if failing:  # requests are still served, from the other tiers and the model
+        body |= {"status": "degraded", "tiers": failing}
     remote = engine.store.remote
     if remote is not None:
         available = await asyncio.to_thread(remote.check)

@@ -326,6 +326,10 @@ def _store_metrics(tiers: Sequence[TierStats]) -> Iterator[Metric]:
     ):
         samples = [([tier.name], getattr(tier, attribute)) for tier in tiers]
         yield _family(GaugeMetricFamily, f"prefixgate_store_{name}", help_text, ["tier"], samples)
+    failing = [([tier.name], float(tier.problem is not None)) for tier in tiers]
+    yield _family(
+        GaugeMetricFamily, "prefixgate_store_failing", "1 while a tier fails (see /health), by tier.", ["tier"], failing
+    )
     for counter, help_text in (
         ("hits", "Blocks found in this tier, by tier."),
         ("misses", "Blocks looked up and not found in this tier, by tier."),
@@ -335,6 +339,9 @@ def _store_metrics(tiers: Sequence[TierStats]) -> Iterator[Metric]:
         ("demotions", "Blocks moved from this tier down to the next one for room, by tier."),
         ("corrupt", "Blocks dropped from this tier because their tokens or checksum did not match, by tier."),
         ("dropped_writes", "Blocks not written to this tier because its writer was too far behind, by tier."),
+        ("failed_writes", "Blocks this tier failed to write (a full or failing disk), by tier."),
+        ("failed_reads", "Reads that failed in this tier (a damaged file), by tier."),
+        ("set_aside", "Damaged stores of this tier set aside at start for an empty one, by tier."),
     ):
         samples = [([tier.name], getattr(tier, counter)) for tier in tiers]
         yield _family(CounterMetricFamily, f"prefixgate_store_{counter}", help_text, ["tier"], samples)

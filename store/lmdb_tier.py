@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import torch
@@ -17,7 +19,7 @@ from prefixgate.policies import Policy
 from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import BlockHeader, CorruptBlockError, decode, encode, read_header
 from prefixgate.store.keys import BlockKey
-from prefixgate.store.tier import EntryInfo, Held, Tier
+from prefixgate.store.tier import EntryInfo, Held, Tier, TierHealth
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ _PAGE = 4096
 _MIN_MAP_BYTES = 64 << 20
 _BATCH = 64  # operations per write transaction: one fsync for many blocks
 _QUEUE_BYTES = 256 << 20  # tensor bytes that may wait for the writer; beyond it, write-throughs are dropped
+_BACKOFF = 1.0  # seconds a failing tier is out of the path, doubling with each failure to _MAX_BACKOFF
+_MAX_BACKOFF = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +98,47 @@ class LMDBTier(Tier):
         self._max_unwritten = max(1, queue_bytes // layout.nbytes)
         self._unwritten = 0
         self._queue: queue.Queue[_Op] = queue.Queue()
-        self._load_index()
+        self._health = TierHealth(clock, _BACKOFF, _MAX_BACKOFF)
+        try:
+            self._load_index()
+        except BaseException:
+            self._env.close()
+            raise
         self._writer = threading.Thread(target=self._write_loop, name=f"prefixgate-{name}-writer", daemon=True)
         self._writer.start()
+
+    @classmethod
+    def open(
+        cls,
+        path: Path,
+        layout: BlockLayout,
+        capacity_bytes: int,
+        policy: Policy,
+        *,
+        clock: Callable[[], float],
+        **options: Any,
+    ) -> LMDBTier:
+        """Open the tier at `path`; a store that cannot be opened or read because it is damaged (a failing disk, a
+        bad copy) is set aside, renamed beside itself with the time, and an empty one opened in its place.
+
+        Everything in it is a cache: losing it costs recomputation, while refusing to start would cost the service.
+        """
+        try:
+            return cls(path, layout, capacity_bytes, policy, clock=clock, **options)
+        except lmdb.Error as error:
+            aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.rename(aside)
+            log.warning(
+                "the disk tier at %s cannot be read (%s): it was set aside as %s, and the server starts with an "
+                "empty disk tier. Everything in it was a cache; delete %s once it is of no more use.",
+                path,
+                error,
+                aside,
+                aside,
+            )
+        tier = cls(path, layout, capacity_bytes, policy, clock=clock, **options)
+        tier.counters.add("set_aside")
+        return tier
 
     # -- Tier ---------------------------------------------------------------------------------------------------
 
@@ -110,6 +152,17 @@ class LMDBTier(Tier):
         return self._adopt(key) is not None
 
     def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
+        if not self._health.usable():
+            return None  # failing: a miss until its backoff is over
+        try:
+            block = self._get(key, tokens, out)
+        except lmdb.Error as error:
+            self._failed("reads", error)
+            return None
+        self._worked()
+        return block
+
+    def _get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None) -> Block | None:
         with self._lock:
             pending = self._pending.get(key)
         if isinstance(pending, _Delete):
@@ -153,7 +206,7 @@ class LMDBTier(Tier):
             with self._begin() as txn:
                 value = txn.get(key.digest)
                 return None if value is None else decode(key, value, self.layout)[0]
-        except CorruptBlockError:
+        except (CorruptBlockError, lmdb.Error):
             return None  # the next `get` drops and counts it
 
     def attrs(self, key: BlockKey) -> Keep | None:
@@ -186,6 +239,9 @@ class LMDBTier(Tier):
 
     def put(self, block: Block, keep: Keep = BY_POLICY) -> bool:
         self.layout.check(block)
+        if not self._health.usable():
+            self.counters.add("failed_writes")  # failing: not even queued until its backoff is over
+            return False
         with self._lock:
             if self._unwritten >= self._max_unwritten:
                 # Dropped rather than waited for: the caller holds the store's lock, so waiting for the disk would
@@ -310,15 +366,21 @@ class LMDBTier(Tier):
         with self._lock:
             if key in self._pending:
                 return None  # this process is writing or deleting it
-        with self._begin() as txn:
-            value = txn.get(key.digest)
-            if value is None:
-                return None
-            try:
-                header, _ = read_header(value)
-            except CorruptBlockError as error:
-                self._drop_corrupt(key, str(error))
-                return None
+        if not self._health.usable():
+            return None
+        try:
+            with self._begin() as txn:
+                value = txn.get(key.digest)
+                if value is None:
+                    return None
+                try:
+                    header, _ = read_header(value)
+                except CorruptBlockError as error:
+                    self._drop_corrupt(key, str(error))
+                    return None
+        except lmdb.Error as error:
+            self._failed("reads", error)
+            return None
         if not self._fits(header):
             return None
         with self._lock:
@@ -335,6 +397,30 @@ class LMDBTier(Tier):
             if key in self._index and key not in self._pending:
                 self._index.pop(key)
                 self.policy.remove(key)
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """Count a failed read or write; the first of a run says so in the log and in `problem`, and takes the tier
+        out of the path for its backoff."""
+        if what == "reads":
+            self.counters.add("failed_reads")
+        delay = self._health.failed()
+        if delay is None:
+            return  # a failure already recorded, from before the tier was marked down
+        if self.problem is None:
+            log.warning(
+                "%s of the %s tier at %s fail (%s): it is out of the path, tried again in %g s",
+                what,
+                self.name,
+                self.path,
+                error,
+                delay,
+            )
+        self.problem = f"{what} fail: {error}"
+
+    def _worked(self) -> None:
+        if self._health.succeeded():
+            log.info("the %s tier at %s works again", self.name, self.path)
+            self.problem = None
 
     def _drop_corrupt(self, key: BlockKey, why: str) -> None:
         log.warning("dropping corrupt block %s from %s: %s", key.hex(), self.name, why)
@@ -381,8 +467,11 @@ class LMDBTier(Tier):
             landed: list[_Put | _Delete] = []
             try:
                 landed = self._write(ops)
-            except Exception:  # the writer must outlive any one bad batch, or every later write is lost
-                log.exception("writing %d operations to %s failed", len(ops), self.path)
+                if landed:
+                    self._worked()
+            except Exception as error:  # the writer must outlive any one bad batch, or every later write is lost
+                self.counters.add("failed_writes", queued)
+                self._failed("writes", error)
             finally:
                 self._settle(ops, landed, queued)
                 for _ in batch:

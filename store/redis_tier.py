@@ -43,7 +43,7 @@ from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
 from prefixgate.store.codec import CorruptBlockError, decode, encode
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.redis_stream import CommandStream, OversizeValue, ReplyError
-from prefixgate.store.tier import TierCounters
+from prefixgate.store.tier import TierCounters, TierHealth
 from prefixgate.threads import use_threads
 from prefixgate.urls import masked_url
 
@@ -63,7 +63,6 @@ _BATCH_BYTES = 16 << 20  # tensor bytes per pipeline: each is encoded in memory 
 _AHEAD_BYTES = 4 << 20  # blocks a chain read asks for ahead of the one it reads: enough to keep the link busy
 _HEADER_BYTES = 64 << 10  # room for a value's header in the buffer a block is read into; a larger value is corrupt
 _SCAN_COUNT = 1000  # keys per SCAN step, and per UNLINK
-_MAX_DOUBLINGS = 30
 
 
 @dataclass(slots=True)
@@ -187,7 +186,7 @@ class RedisTier:
         self.ttl = ttl
         self.counters = RedisCounters()
         self._clock = clock  # in the time base of `Block.created`; also times the backoff
-        self._health = _Health(clock, backoff, max_backoff)
+        self._health = TierHealth(clock, backoff, max_backoff)
         self._secret: bytes | None = None  # once read: put back if Redis loses it
         self._secret_conflict = False  # Redis holds another secret (logged once)
         # Two clients: lookups wait at most `socket_timeout`, so a dead Redis answers a miss fast; the writer sends
@@ -739,42 +738,3 @@ def _client(urls: tuple[str, ...], connect_timeout: float, timeout: float) -> re
         raise ConfigError(f"bad Redis URL in {shown!r}: {error}") from error
     except (RedisError, OSError) as error:
         raise StoreError(f"cannot reach the Redis Cluster at {shown} ({error}); check that it runs") from error
-
-
-class _Health:
-    """Whether Redis answers, and when to try it again after it did not: exponential backoff on an injected clock."""
-
-    def __init__(self, clock: Callable[[], float], first: float, cap: float) -> None:
-        self._clock = clock
-        self._first = first
-        self._cap = cap
-        self._lock = threading.Lock()
-        self._failures = 0  # failed tries in a row
-        self._retry_at = 0.0
-
-    @property
-    def available(self) -> bool:
-        return self._failures == 0
-
-    def usable(self) -> bool:
-        """Return whether to talk to Redis now: it answered last time, or its backoff is over (this is a try)."""
-        with self._lock:
-            return self._failures == 0 or self._clock() >= self._retry_at
-
-    def failed(self) -> float | None:
-        """Record a failed round trip; return the next backoff, or None when it repeats a failure already recorded."""
-        with self._lock:
-            now = self._clock()
-            if self._failures and now < self._retry_at:
-                return None  # begun before Redis was marked down (another thread's round trip): no new try failed
-            self._failures += 1
-            delay = min(self._cap, self._first * 2.0 ** min(self._failures - 1, _MAX_DOUBLINGS))
-            self._retry_at = now + delay
-            return delay
-
-    def succeeded(self) -> bool:
-        """Record an answer; return whether Redis was unavailable until now."""
-        with self._lock:
-            was_down = self._failures > 0
-            self._failures = 0
-            return was_down

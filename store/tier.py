@@ -49,6 +49,10 @@ class TierStats:
     demotions: int
     corrupt: int
     dropped_writes: int  # blocks not written to this tier because its writer was too far behind
+    failed_writes: int  # blocks the tier failed to write (a full or failing disk)
+    failed_reads: int  # reads that failed (a damaged file): misses
+    set_aside: int  # damaged stores moved aside at start, an empty one opened in their place
+    problem: str | None = None  # why the tier fails now (its last error); None while it works
 
 
 @dataclass(slots=True)
@@ -63,6 +67,9 @@ class TierCounters:
     demotions: int = 0
     corrupt: int = 0
     dropped_writes: int = 0
+    failed_writes: int = 0
+    failed_reads: int = 0
+    set_aside: int = 0
 
     def add(self, name: str, amount: int = 1) -> None:
         """Add `amount` to the counter `name`, atomically with other adds."""
@@ -75,6 +82,51 @@ class TierCounters:
 
 
 _COUNTER_LOCK = threading.Lock()
+_MAX_DOUBLINGS = 30  # of a backoff: past this, it is at its cap anyway
+
+
+class TierHealth:
+    """Whether a tier works, and when to try it again after it failed: exponential backoff on an injected clock.
+
+    While it fails, the tier answers misses and takes no writes, instead of making every request wait for, or log, the
+    same failure (Redis that does not answer, a disk that is full or damaged).
+    """
+
+    def __init__(self, clock: Callable[[], float], first: float, cap: float) -> None:
+        self._clock = clock
+        self._first = first
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._failures = 0  # failed tries in a row
+        self._retry_at = 0.0
+
+    @property
+    def available(self) -> bool:
+        return self._failures == 0
+
+    def usable(self) -> bool:
+        """Return whether to use the tier now: it worked last time, or its backoff is over (this is a try)."""
+        with self._lock:
+            return self._failures == 0 or self._clock() >= self._retry_at
+
+    def failed(self) -> float | None:
+        """Record a failure; return the next backoff, or None when it repeats a failure already recorded."""
+        with self._lock:
+            now = self._clock()
+            if self._failures and now < self._retry_at:
+                return None  # begun before the tier was marked down (in another thread): no new try failed
+            self._failures += 1
+            delay = min(self._cap, self._first * 2.0 ** min(self._failures - 1, _MAX_DOUBLINGS))
+            self._retry_at = now + delay
+            return delay
+
+    def succeeded(self) -> bool:
+        """Record a success; return whether the tier was failing until now."""
+        with self._lock:
+            was_down = self._failures > 0
+            self._failures = 0
+            return was_down
+
 
 V = TypeVar("V")
 
@@ -156,6 +208,7 @@ class Tier(ABC):
         self.policy = policy
         self.clock = clock  # the policy's clock, in the time base of `Block.created`
         self.counters = TierCounters()
+        self.problem: str | None = None  # why the tier fails now; None while it works
 
     @property
     def capacity_blocks(self) -> int:
@@ -190,6 +243,7 @@ class Tier(ABC):
             bytes=len(self) * self.layout.nbytes,
             capacity=self.capacity_bytes,
             **self.counters.as_dict(),
+            problem=self.problem,
         )
 
     @abstractmethod

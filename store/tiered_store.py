@@ -221,7 +221,7 @@ class TieredStore:
                 assert folder is not None
                 disk_policy = _policy(config.disk, clock)
                 tiers.append(
-                    LMDBTier(folder / DISK_FOLDER, layout, config.disk.capacity_bytes, disk_policy, clock=clock)
+                    LMDBTier.open(folder / DISK_FOLDER, layout, config.disk.capacity_bytes, disk_policy, clock=clock)
                 )
         except BaseException:
             if remote is not None:

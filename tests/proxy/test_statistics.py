@@ -18,7 +18,7 @@ IDLE = AdmissionStats(running=0, waiting=0, bytes_in_use=0, budget_bytes=1000, m
 
 def make_tier(name: str, **counts: int) -> TierStats:
     """Return a tier's stats: zero everywhere but `counts`."""
-    values = {field.name: 0 for field in fields(TierStats)} | {"name": name} | counts
+    values = {field.name: 0 for field in fields(TierStats) if field.name != "problem"} | {"name": name} | counts
     return TierStats(**values)
 
 
@@ -61,6 +61,7 @@ def test_every_metric_has_a_type_a_help_text_and_vllms_name_where_one_exists() -
         "prefixgate_store_entries": "gauge",
         "prefixgate_store_bytes": "gauge",
         "prefixgate_store_capacity_bytes": "gauge",
+        "prefixgate_store_failing": "gauge",
         **{
             f"prefixgate_store_{counter}": "counter"
             for counter in (
@@ -72,6 +73,9 @@ def test_every_metric_has_a_type_a_help_text_and_vllms_name_where_one_exists() -
                 "demotions",
                 "corrupt",
                 "dropped_writes",
+                "failed_writes",
+                "failed_reads",
+                "set_aside",
             )
         },
     }

@@ -10,7 +10,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import lmdb
+import pytest
 import torch
 
 from prefixgate.policies import make_policy
@@ -291,4 +294,81 @@ def test_a_block_evicted_while_writing_one_at_a_time_is_served_once_another_proc
     got = tier.get(evicted.key, evicted.tokens)
     assert got is not None and torch.equal(got.kv, evicted.kv)
     assert tier._unwritten == 0
+    tier.close()
+
+
+def damage(path: Path) -> None:
+    """Overwrite 512 bytes in every 64 KiB of the data file, as a failing disk or a bad copy does."""
+    data = path / "data.mdb"
+    size = data.stat().st_size
+    with data.open("r+b") as file:
+        for offset in range(0, size, 64 << 10):
+            file.seek(offset)
+            file.write(os.urandom(512))
+
+
+def test_a_damaged_store_is_set_aside_and_the_tier_opens_empty(tmp_path: Path, caplog: Any) -> None:
+    path = tmp_path / "blocks.lmdb"
+    tier = open_tier(path, 64)
+    for block in big_blocks(40):
+        tier.put(block)
+    tier.close()
+    damage(path)
+    clock = FakeClock()
+    with caplog.at_level(logging.WARNING):
+        reopened = LMDBTier.open(path, BIG, 64 * BIG.nbytes, make_policy("lru", clock=clock), clock=clock)
+    try:
+        (aside,) = [entry for entry in tmp_path.iterdir() if entry.name.startswith("blocks.lmdb.damaged-")]
+        assert (aside / "data.mdb").stat().st_size > 0  # kept, for whoever wants to look at it
+        assert len(reopened) == 0 and reopened.counters.set_aside == 1 and reopened.problem is None
+        assert f"set aside as {aside}" in caplog.text and "delete" in caplog.text
+        block = big_blocks(1)[0]
+        assert reopened.put(block)
+        reopened.flush()
+        got = reopened.get(block.key, block.tokens)
+        assert got is not None and torch.equal(got.kv, block.kv)
+    finally:
+        reopened.close()
+
+
+def test_a_tier_whose_reads_or_writes_fail_is_out_of_the_path_until_its_backoff_then_works_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    clock = FakeClock()
+    tier = LMDBTier(tmp_path, BIG, 64 * BIG.nbytes, make_policy("lru", clock=clock), clock=clock)
+    blocks = big_blocks(4)
+    tier.put(blocks[0])
+    tier.flush()
+    begin = tier._begin
+
+    def broken(*, write: bool = False) -> Any:
+        raise lmdb.Error("mdb_txn_begin: Input/output error")
+
+    monkeypatch.setattr(tier, "_begin", broken)
+    with caplog.at_level(logging.WARNING):
+        assert tier.get(blocks[0].key, blocks[0].tokens) is None  # a miss, not an error
+        assert tier.problem == "reads fail: mdb_txn_begin: Input/output error"
+        assert tier.get(blocks[0].key, blocks[0].tokens) is None  # out of the path: not even tried
+        assert not tier.put(blocks[1])  # nor written to
+    assert tier.counters.failed_reads == 1 and tier.counters.failed_writes == 1
+    assert caplog.text.count("fail (mdb_txn_begin") == 1  # said once, not at every request
+
+    monkeypatch.setattr(tier, "_begin", begin)
+    clock.advance(1.0)  # the first backoff is over: the next read is a try, and it works
+    got = tier.get(blocks[0].key, blocks[0].tokens)
+    assert got is not None and tier.problem is None
+
+    def full(batch: Any) -> None:
+        raise lmdb.Error("mdb_txn_commit: No space left on device")
+
+    monkeypatch.setattr(tier, "_commit", full)
+    assert tier.put(blocks[2])  # queued: the writer finds out
+    tier.flush()
+    assert tier.problem == "writes fail: mdb_txn_commit: No space left on device"
+    assert tier.counters.failed_writes == 2 and tier.get(blocks[2].key, blocks[2].tokens) is None
+    monkeypatch.undo()
+    clock.advance(2.0)  # the second failure in a row doubled the backoff
+    assert tier.put(blocks[3])
+    tier.flush()
+    assert tier.problem is None and tier.get(blocks[3].key, blocks[3].tokens) is not None
     tier.close()

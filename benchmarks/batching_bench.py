@@ -1,8 +1,9 @@
 """Serve many streams at once on SmolLM2 through HTTP, and measure what batching and chunked prefill give.
 
 Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about twenty minutes; `--budgets 64` and
-`--batches 1 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory; every long
-prompt shares no prefix with another, so each is computed whole. It prints two tables:
+`--batches 1 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1, in float32 (the dtype of the batched
+forward it is compared with), with its store in memory; every long prompt shares no prefix with another, so each is
+computed whole. It prints two tables:
 
 1. Aggregate decode tokens/s of 1, 4, 8, 16 and 32 concurrent streams (64 tokens each, greedy), counted while all of
    them are decoding, with inter-token latency and time to first token; next to the limit, a plain batched forward
@@ -39,6 +40,7 @@ import aiohttp
 MODEL = "smollm2-135m"
 STREAM_TOKENS = 64
 LONG_PROMPT_TOKENS = 8000
+FLOAT32 = ("--dtype", "float32")  # the server runs in the batched forward's dtype, which it is compared with
 RUNNING_STREAMS = 4
 
 
@@ -245,7 +247,7 @@ async def main() -> None:
     if args.batches:
         limit = BatchedForward()
         rows = []
-        async with served(args.prefixgate) as server:
+        async with served(args.prefixgate, *FLOAT32) as server:
             url = server.url
             await concurrent_streams(url, 2)  # warm up
             for count in args.batches:
@@ -274,7 +276,7 @@ async def main() -> None:
     if args.budgets:
         rows = []
         for index, budget in enumerate(args.budgets):
-            async with served(args.prefixgate, "--interleaved-prefill-tokens", str(budget)) as server:
+            async with served(args.prefixgate, *FLOAT32, "--interleaved-prefill-tokens", str(budget)) as server:
                 url = server.url
                 await concurrent_streams(url, 2)  # warm up
                 # Two prompts of the same length that share no prefix: each is computed whole.

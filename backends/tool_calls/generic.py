@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from prefixgate.backends.tool_calls.parser import Markers, ParsedCall
-from prefixgate.backends.tool_calls.tool_format import ToolFormat, call_from, json_rule, json_values
+from prefixgate.backends.tool_calls.tool_format import ToolFormat, calls_from, json_rule, json_values
 
 INSTRUCTIONS = (
     "You can call the tools below. To call tools, answer with a JSON object and nothing else, of the form "
@@ -38,15 +38,21 @@ def _plain(message: dict[str, Any]) -> dict[str, Any]:
         call = message.get("tool_call_id", "")
         return {"role": "user", "content": f"Result of tool call {call}:\n{content}"}
     if message.get("tool_calls"):
-        calls = [
-            {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"] or "{}")}
-            for call in message["tool_calls"]
-        ]
+        calls = [{"name": call["function"]["name"], "arguments": _arguments(call)} for call in message["tool_calls"]]
         # Compact, as the grammar of a forced call has the model write it: the next turn's prompt then repeats the
         # answer's text, and its tokens come from the cache.
         written = json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))
         return {"role": message["role"], "content": f"{content}\n{written}" if content else written}
     return {"role": message["role"], "content": content}
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """Return a call's arguments decoded, or as the text they are when a client sent text that is no JSON."""
+    text = call["function"]["arguments"] or "{}"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _text(content: Any) -> str:
@@ -62,8 +68,7 @@ def _body(text: str) -> list[ParsedCall] | None:
     if not values or len(values) != 1 or not isinstance(values[0], dict) or set(values[0]) != {"tool_calls"}:
         return None
     listed = values[0]["tool_calls"]
-    calls = [call_from(value) for value in listed] if isinstance(listed, list) else []
-    return None if not calls or None in calls else [call for call in calls if call is not None]
+    return calls_from(listed if isinstance(listed, list) else None)
 
 
 def _wrap(schema: dict[str, Any], parallel: bool) -> str:

@@ -6,13 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from prefixgate.backends.tool_calls.parser import Markers, ParsedCall
-from prefixgate.backends.tool_calls.tool_format import ToolFormat, call_from, json_rule, json_values
+from prefixgate.backends.tool_calls.tool_format import ToolFormat, calls_from, json_rule, json_values
 
 
 def _body(text: str) -> list[ParsedCall] | None:
-    values = json_values(text)
-    calls = [call_from(value, "parameters") or call_from(value) for value in values or ()]
-    return None if not calls or None in calls else [call for call in calls if call is not None]
+    return calls_from(json_values(text), "parameters", "arguments")
 
 
 def _wrap(schema: dict[str, Any], parallel: bool) -> str:

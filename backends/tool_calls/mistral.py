@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from prefixgate.backends.tool_calls.parser import Markers, ParsedCall
-from prefixgate.backends.tool_calls.tool_format import ToolFormat, call_from, json_rule, short_call_id
+from prefixgate.backends.tool_calls.tool_format import ToolFormat, calls_from, json_rule, short_call_id
 
 
 def _body(text: str) -> list[ParsedCall] | None:
@@ -14,9 +14,7 @@ def _body(text: str) -> list[ParsedCall] | None:
         values = json.loads(text)
     except ValueError:
         return None
-    values = values if isinstance(values, list) else [values]
-    calls = [call_from(value) for value in values]
-    return None if not calls or None in calls else [call for call in calls if call is not None]
+    return calls_from(values if isinstance(values, list) else [values])
 
 
 def _wrap(schema: dict[str, Any], parallel: bool) -> str:

@@ -102,6 +102,17 @@ def call_from(value: Any, arguments_key: str = "arguments") -> ParsedCall | None
     return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
 
 
+def calls_from(values: Sequence[Any] | None, *keys: str) -> list[ParsedCall] | None:
+    """Return the calls decoded JSON values describe, each naming its arguments by the first of `keys` it has
+    (`"arguments"` when none are given); None unless there are some and every one reads as a call."""
+    names = keys or ("arguments",)
+    calls = [
+        call_from(value, next((key for key in names if isinstance(value, dict) and key in value), names[0]))
+        for value in values or ()
+    ]
+    return None if not calls or None in calls else [call for call in calls if call is not None]
+
+
 def json_values(text: str) -> list[Any] | None:
     """Return the JSON values `text` holds one after another (separated by white space or `;`), or None."""
     decoder = json.JSONDecoder()

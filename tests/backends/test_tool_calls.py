@@ -65,6 +65,7 @@ RECORDED: list[tuple[ToolFormat, str, str, list[ParsedCall]]] = [
 LOOKALIKES: list[tuple[ToolFormat, str]] = [
     (hermes.FORMAT, "Wrap calls in <tool_call> tags, like <tool_call>this</tool_call>, and end with <tool_ca"),
     (hermes.FORMAT, 'Almost: <tool_call>{"name": "f", "arguments": [1]}</tool_call>'),
+    (hermes.FORMAT, "A number is no call: <tool_call>5</tool_call>"),
     (llama3_json.FORMAT, '{"answer": 42, "note": "a JSON answer, not a call"}'),
     (llama3_json.FORMAT, 'The object {"name": "get_time", "parameters": {}} is an example.'),
     (mistral.FORMAT, "Use [TOOL_CALLS] followed by JSON. [TOOL_CALLS] not json"),
@@ -106,6 +107,11 @@ def test_each_format_reads_its_familys_calls_however_the_stream_cuts_them(
 def test_text_that_only_looks_like_a_call_stays_text(tool_format: ToolFormat, answer: str) -> None:
     for pieces in splits(answer):
         assert parse(tool_format, pieces) == (answer, []), pieces
+
+
+def test_llama3_calls_may_name_their_arguments_either_way() -> None:
+    answer = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+    assert parse(llama3_json.FORMAT, [answer]) == ("", [ParsedCall("get_weather", '{"city":"Paris","days":2}')])
 
 
 def test_plain_text_is_held_back_only_while_it_may_begin_a_call() -> None:
@@ -246,3 +252,9 @@ def test_the_generic_format_tells_the_tools_and_renders_calls_and_results_as_pla
     }
     assert rendered[3] == {"role": "user", "content": "Result of tool call c1:\nSunny"}
     assert generic.render(messages, TOOLS) == rendered  # the same every time: the next turn extends this prompt
+    # Arguments a client sent as text that is no JSON are rendered as that text, not refused with a server error.
+    messages[2]["tool_calls"][0]["function"]["arguments"] = "city=Paris"
+    assert (
+        generic.render(messages, TOOLS)[2]["content"]
+        == '{"tool_calls":[{"name":"get_weather","arguments":"city=Paris"}]}'
+    )

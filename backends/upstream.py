@@ -15,11 +15,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
-from prefixgate.backends.backend import TokenLogprob, ToolCallDelta, TopLogprob
+from prefixgate.backends.backend import FinishReason, TokenChunk, TokenLogprob, ToolCallDelta, TopLogprob
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, PrefixRouter, Route, Upstream
 from prefixgate.errors import PrefixgateError
 
@@ -35,21 +35,6 @@ class UpstreamConfig:
 
     url: str
     api_key: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamChunk:
-    """A piece of an upstream's answer: text, what agents read beside it (tool-call pieces, reasoning, a refusal, log
-    probabilities), and on the last one the finish reason and the stop string that ended it, when the upstream says
-    (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
-
-    text: str
-    finish_reason: str | None = None
-    stop_sequence: str | None = None
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-    reasoning: str = ""
-    refusal: str = ""
-    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +71,7 @@ class UpstreamStream:
         self._response = response
         self._lines = _sse_data(response)
         self._chat = chat
-        self._pending: list[UpstreamChunk] = []
+        self._pending: list[TokenChunk] = []
         self._done = False  # the upstream said all it will
         self._ok = True  # nothing failed: the upstream stays in rotation
         self._closed = False
@@ -99,7 +84,7 @@ class UpstreamStream:
     def __aiter__(self) -> UpstreamStream:
         return self
 
-    async def __anext__(self) -> UpstreamChunk:
+    async def __anext__(self) -> TokenChunk:
         while not self._pending:
             if self._done:
                 raise StopAsyncIteration
@@ -301,18 +286,22 @@ def _why(error: Exception) -> str:
     return str(error) or type(error).__name__  # a timeout says nothing of itself
 
 
-_NOTHING = UpstreamChunk("")
+_NOTHING = TokenChunk(-1, "", None)
 
 
-def _piece(choice: dict[str, Any], chat: bool) -> UpstreamChunk:
-    """Return what one choice of a streamed chunk carries (the chat API's delta, or the completions API's text)."""
+def _piece(choice: dict[str, Any], chat: bool) -> TokenChunk:
+    """Return what one choice of a streamed chunk carries (the chat API's delta, or the completions API's text), as
+    the engine's chunk: no token id (an upstream sends text), and the stop string it names, when it names one
+    (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
     delta = (choice.get("delta") or {}) if chat else {"content": choice.get("text")}
     stop = choice.get("stop_reason", choice.get("matched_stop"))  # a stop token's id when not a string
     # vLLM names reasoning `reasoning_content` (and, from 0.10, `reasoning` too); SGLang `reasoning_content`.
     reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-    return UpstreamChunk(
+    return TokenChunk(
+        token_id=-1,
         text=delta.get("content") or "",
-        finish_reason=choice.get("finish_reason"),
+        # OpenAI's finish reasons, as the local backend's are; any other an upstream names goes on as it came.
+        finish_reason=cast(FinishReason | None, choice.get("finish_reason")),
         stop_sequence=stop if isinstance(stop, str) else None,
         tool_calls=tuple(_tool_call(call) for call in delta.get("tool_calls") or ()),
         reasoning=str(reasoning),

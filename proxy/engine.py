@@ -106,7 +106,8 @@ class PromptRequest:
 def refuse_unsupported(request: PromptRequest) -> None:
     """Raise RequestError for the fields only upstreams act on (vLLM's and SGLang's own): a local model would
     ignore them, and nothing is silently ignored."""
-    for name in request.extensions:
+    if request.extensions:
+        name = next(iter(request.extensions))
         raise RequestError(f"{name} is not supported by this model; leave it out", param=name)
 
 

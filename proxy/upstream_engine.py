@@ -19,10 +19,10 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, replace
+from typing import Any
 
-from prefixgate.backends import FinishReason, TokenChunk
+from prefixgate.backends import TokenChunk
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, Route, Upstream, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
 from prefixgate.errors import ConfigError, RequestError
@@ -270,13 +270,9 @@ class UpstreamGeneration:
         self.finish_reason = chunk.finish_reason
         if chunk.finish_reason is not None:
             await self._stream.finish()
-        # -1: an upstream sends text, not token ids; its finish reasons are OpenAI's, as the local backend's are. A
-        # stop string it names counts only when the request asked for it, as an Anthropic client is told which.
-        stop = chunk.stop_sequence if chunk.stop_sequence in self._stops else None
-        finish_reason = cast(FinishReason | None, chunk.finish_reason)
-        return TokenChunk(
-            -1, chunk.text, finish_reason, stop, chunk.tool_calls, chunk.reasoning, chunk.refusal, chunk.logprobs
-        )
+        # A stop string the upstream names counts only when the request asked for it, as an Anthropic client is told
+        # which.
+        return replace(chunk, stop_sequence=chunk.stop_sequence if chunk.stop_sequence in self._stops else None)
 
     async def aclose(self) -> None:
         """Stop (closing the connection stops the upstream) and count the request with the upstream's usage."""

@@ -250,11 +250,20 @@ class Engine:
         request_id = f"pg-{uuid.uuid4().hex[:24]}"
         refuse_unsupported(request)
         tool_format = self.backend.tool_format
+        grammar = None
+        if request.tools or request.response_format:
+            # Off the loop: it walks and writes out every tool's schema, which a large body may make long.
+            grammar = await asyncio.to_thread(
+                answer_grammar,
+                request.tools,
+                request.tool_choice,
+                request.parallel_tool_calls,
+                request.response_format,
+                tool_format,
+            )
         params = replace(
             request.params,
-            grammar=answer_grammar(
-                request.tools, request.tool_choice, request.parallel_tool_calls, request.response_format, tool_format
-            ),
+            grammar=grammar,
             skip_special_tokens=request.params.skip_special_tokens and not tool_format.special_markers,
         )
         calls = ToolCallStream(tool_format) if request.tools and request.tool_choice != "none" else None

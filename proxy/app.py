@@ -32,7 +32,7 @@ from prefixgate.errors import (
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.answer import Answer, assemble
-from prefixgate.proxy.body import OFF_LOOP_BYTES, off_loop, parsed
+from prefixgate.proxy.body import OFF_LOOP_BYTES, let_go, off_loop, parsed
 from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
@@ -216,18 +216,28 @@ def _translated(
     worker thread: freed on the loop when the request ends, 400,000 messages would hold it 80 ms."""
     prompt = body.to_prompt_request(tenant)
     for name in ("messages", "tools"):
-        if isinstance(getattr(body, name, None), list):
-            setattr(body, name, [])
+        if isinstance(items := getattr(body, name, None), list):
+            let_go(items)
     return prompt
+
+
+def _let_go_of(prompt: PromptRequest) -> None:
+    for items in (prompt.messages, prompt.tools):
+        if items is not None:
+            let_go(items)
 
 
 async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
     """Start the request's generation on the engine serving `model`, up to its first token."""
     try:
         generation = await _engine_for(request, model).generate(prompt)
-    except RequestError as error:
-        if chat and error.param == "prompt":
+    except BaseException as error:
+        if isinstance(error, RequestError) and chat and error.param == "prompt":
             error.param = "messages"  # the engine's prompt is the chat APIs' messages
+        if (request.content_length or 0) > OFF_LOOP_BYTES:
+            # A large prompt is refused (it cannot fit any context): its messages are let go of in the worker thread,
+            # not on the loop as the error unwinds (400,000 messages would hold it for tens of milliseconds).
+            await off_loop(_let_go_of, prompt)
         raise
     request[GENERATION] = generation
     return generation

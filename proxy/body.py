@@ -29,6 +29,7 @@ MAX_JSON_DEPTH = 64  # lists and objects within each other; real tool schemas ne
 OFF_LOOP_BYTES = 64 << 10  # smaller bodies are handled on the loop: a thread's hand-off would cost more
 _PIECE_CHARACTERS = 1 << 20  # a top-level value longer than this is decoded item by item when it is a list
 _ITEMS = 256  # list items validated per call
+_FREED = 4096  # list items let go of per call
 
 
 async def parsed(raw: bytes, model: type[_Body]) -> _Body:
@@ -73,6 +74,13 @@ def _collector_held_off(parse: Callable[..., _Parsed], *args: Any) -> _Parsed:
             gc.enable()
 
 
+def let_go(items: list[Any]) -> None:
+    """Empty a large body's list a slice at a time (blocking; call it off the loop): freeing what it holds is then
+    many short calls, between which the loop gets the GIL, instead of one that holds it for all of them."""
+    while items:
+        del items[-_FREED:]
+
+
 def parse_json(raw: bytes, model: type[_Body]) -> _Body:
     """Return a JSON request body validated as `model` (blocking; see `parsed`)."""
     data = json_object(raw)
@@ -81,6 +89,7 @@ def parse_json(raw: bytes, model: type[_Body]) -> _Body:
         value = data.get(name)
         if item is not None and isinstance(value, list) and len(value) > _ITEMS:
             data[name] = _validated_items(name, value, item)
+            let_go(value)
     return model.model_validate(data)
 
 

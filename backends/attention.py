@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 
 NAME = "prefixgate_packed"
 _SPLIT_TOKENS = 1024  # shared prefixes at least this long are attended in halves on a CPU (see _attend_prefix)
+_GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions attends to them grouped (_attend_chunk)
 BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
 
 
@@ -109,15 +110,26 @@ def packed_attention(
         stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
         # Keys a query may see: none past its own position, none at or before `position - window`.
         low = 0 if sliding_window is None else max(0, start - int(sliding_window) + 1)
-        # SDPA's CPU kernels take 4-d inputs; 3-d ones fall back to a path several times slower.
-        seen = stored[:, :, low:end].unsqueeze(1)  # seen: [2, 1, kv_heads, seen, head_dim]
-        mask = _mask(start, segment.length, low, end, sliding_window, query.device)
         queries = query[:, :, begin : begin + segment.length]
-        if batch.shared:
-            out, lse = attend_with_lse(queries, seen[0], seen[1], mask, scale)
-            lses.append(lse)
+        if (
+            segment.length > 1
+            and start - low >= _GROUPED_CONTEXT
+            and sliding_window is None
+            and not softcap
+            and query.device.type == "cpu"  # elsewhere attend_with_lse is plain matrix products (_attend_exactly)
+        ):
+            out, lse = _attend_chunk(queries, stored[:, :, low:start], stored[:, :, start:end], start, scale)
         else:
-            out = _attend(queries, seen[0], seen[1], mask, scale, softcap)
+            # SDPA's CPU kernels take 4-d inputs; 3-d ones fall back to a path several times slower.
+            seen = stored[:, :, low:end].unsqueeze(1)  # seen: [2, 1, kv_heads, seen, head_dim]
+            mask = _mask(start, segment.length, low, end, sliding_window, query.device)
+            if batch.shared:
+                out, lse = attend_with_lse(queries, seen[0], seen[1], mask, scale)
+            else:
+                out, lse = _attend(queries, seen[0], seen[1], mask, scale, softcap), None
+        if batch.shared:
+            assert lse is not None
+            lses.append(lse)
         outputs.append(out)
     out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # out: [1, heads, total, head_dim]
     assert out.shape[1] == heads
@@ -156,6 +168,27 @@ def _attend_exactly(
     lse = torch.logsumexp(scores, dim=-1)  # lse: [1, heads, q]
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
     return out.to(queries.dtype), lse
+
+
+def _attend_chunk(
+    queries: torch.Tensor, context: torch.Tensor, own: torch.Tensor, start: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend a prompt chunk's queries `[1, heads, length, d]` over the positions before it (`context`,
+    `[2, kv_heads, positions, d]`, all visible to every query) and its own (`own`, `[2, kv_heads, length, d]`,
+    causally); return the output and log-sum-exp.
+
+    Over the context no mask is needed, so every query head reading one KV head becomes a row of one matrix per KV
+    head, as over a shared prefix: the kernel reads each key once for all of them instead of once per query head.
+    Measured on SmolLM2 and a CPU in bfloat16, for chunks of 32 to 512 tokens: a step's attention took 13 to 35% less
+    after 8k positions and 1 to 20% less after 4k, but up to 18% more after 1k, hence `_GROUPED_CONTEXT`.
+    """
+    _, heads, length, head_dim = queries.shape
+    kv_heads = context.shape[1]
+    grouped = queries.reshape(1, kv_heads, heads // kv_heads * length, head_dim)
+    part, part_lse = _attend_prefix(grouped, context, scale)
+    mask = _mask(start, length, start, start + length, None, queries.device)
+    out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
+    return _merge(out, lse, part.reshape(1, heads, length, head_dim), part_lse.reshape(1, heads, length))
 
 
 def _add_shared(

@@ -141,6 +141,28 @@ def test_a_long_prefix_attended_in_halves_gives_what_one_call_gives() -> None:
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(shared: bool) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, context, length = 4, 2, 16, 3100, 5  # past _GROUPED_CONTEXT
+    kv = torch.randn(1, 2, kv_heads, context + length, head_dim)  # kv: [layers, 2, kv_heads, positions, head_dim]
+    prefix = torch.randn(1, 2, kv_heads, 64, head_dim)  # a shared prefix before the buffer's positions, or none
+    assert context >= attention_module._GROUPED_CONTEXT
+    offset = 64 if shared else 0
+    query = torch.randn(1, heads, length, head_dim)
+    new = kv[0, :, :, context:].unsqueeze(1)  # new: [2, 1, kv_heads, length, head_dim], written back as it is
+    segment = attention_module.Segment(kv, offset + context, length, offset, (prefix,) if shared else ())
+    batch = attention_module.PackedBatch.of((segment,))
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25, packed_batch=batch)
+    keys = torch.cat(([prefix[0, 0]] if shared else []) + [kv[0, 0]], dim=1).unsqueeze(0)
+    values = torch.cat(([prefix[0, 1]] if shared else []) + [kv[0, 1]], dim=1).unsqueeze(0)
+    mask = attention_module._mask(offset + context, length, 0, offset + context + length, None, query.device)
+    expected, _ = attention_module._attend_exactly(query, keys, values, mask, 0.25)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=0)
+
+
 async def test_requests_reading_one_shared_prefix_give_the_tokens_they_give_alone(
     make_backend: BackendFactory,
 ) -> None:

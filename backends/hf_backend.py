@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import time
 from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -27,7 +28,7 @@ from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reu
 from prefixgate.backends.model_resolver import resolve_model
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.sampler import Sampler
-from prefixgate.backends.scheduler import Scheduler
+from prefixgate.backends.scheduler import Scheduler, StepCosts
 from prefixgate.backends.sequence import Decoding, SequencePlan
 from prefixgate.backends.shared_prefix import MIN_SHARED_TOKENS, PrefixStart, SharedPrefixes
 from prefixgate.backends.text_stream import TextStream
@@ -44,7 +45,6 @@ from prefixgate.errors import (
 from prefixgate.threads import use_threads
 
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
-_CPU_INTERLEAVED_TOKENS = 80  # SmolLM2 on 2 cores: 4 streams within 5x their pace, an 8k prompt within 1.5x of alone
 # Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
 # tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
 # with (which accent stripping drops); normalization form C leaves it as it is.
@@ -81,6 +81,7 @@ class HFBackend:
         kv_buffer_budget: int = 1 << 30,
         min_shared_tokens: int = MIN_SHARED_TOKENS,
         on_step: StepListener | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be at least 1 token, got {block_size}")
@@ -125,13 +126,13 @@ class HFBackend:
         self._prefixes: SharedPrefixes | None = None
         if self._buffers is not None and self.sharing_refusal is None:
             self._prefixes = SharedPrefixes(self._buffers, self._admission.charge, min_tokens=min_shared_tokens)
-        interleaved = interleaved_prefill_tokens or default_interleaved_prefill_tokens(
-            self.device, prefill_chunk_tokens
-        )
         scheduler = Scheduler(
-            chunk_tokens=prefill_chunk_tokens, interleaved_tokens=interleaved, packed=self.prefix_reuse
+            chunk_tokens=prefill_chunk_tokens,
+            interleaved_tokens=interleaved_prefill_tokens or prefill_chunk_tokens,
+            costs=StepCosts(self._runner.context_tokens()),
+            packed=self.prefix_reuse,
         )
-        self._worker = Worker(self._runner, scheduler, name=f"prefixgate-{model_id}", on_step=on_step)
+        self._worker = Worker(self._runner, scheduler, name=f"prefixgate-{model_id}", on_step=on_step, clock=clock)
 
     @classmethod
     def load(
@@ -490,16 +491,6 @@ def default_kv_memory_budget(device: torch.device) -> int:
         return max(1, free // 2)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1, available // 4)
-
-
-def default_interleaved_prefill_tokens(device: torch.device, prefill_chunk_tokens: int) -> int:
-    """Return how many prompt tokens a step computes beside running streams by default.
-
-    On a GPU a step's time barely grows with a few hundred more tokens, so prompts keep their full chunk. On a CPU
-    it grows with every token, and more the longer the prompt's context (SmolLM2 on 2 cores: 80 prompt tokens at 4k
-    context add about five decode steps' time), so the default keeps running streams within a few times their pace.
-    """
-    return prefill_chunk_tokens if device.type == "cuda" else min(prefill_chunk_tokens, _CPU_INTERLEAVED_TOKENS)
 
 
 def _default_device() -> torch.device:

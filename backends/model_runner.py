@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,10 @@ from prefixgate.backends.attention import PackedBatch, Segment
 from prefixgate.errors import UnsupportedModelError
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # newest name first
+# The share of the matrix products' arithmetic per second that attention gets through. Measured on SmolLM2 and a CPU,
+# in float32 and bfloat16 alike: a prompt token's attention cost as much as the rest of its layer at 1,750 to 2,100
+# positions of context, where counting the arithmetic says 3,070.
+_ATTENTION_EFFICIENCY = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,29 @@ class ModelRunner:
         self.cache_argument = names[0]
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._unpacked = str(model.config._attn_implementation)
+
+    def context_tokens(self) -> float:
+        """Return the context at which a new token's attention costs about as much as the rest of its layer; infinity
+        for a model whose shape does not say (no attention heads, or layers of differing shapes).
+
+        Per token, a layer's matrix products take 2 operations per weight; attention takes 4 per position of context
+        and query-head dimension (scores, then the weighted sum of values).
+        """
+        text = self.config.get_text_config(decoder=True)
+        try:
+            heads = int(text.num_attention_heads)
+            head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+            layers = int(text.num_hidden_layers)
+        except (AttributeError, RuntimeError, TypeError):  # RuntimeError: a per-layer value read as one
+            return math.inf
+        embeddings = {
+            id(p)
+            for module in (self.model.get_input_embeddings(), self.model.get_output_embeddings())  # type: ignore[no-untyped-call]
+            if module is not None
+            for p in module.parameters()
+        }
+        weights = sum(p.numel() for p in self.model.parameters() if id(p) not in embeddings)
+        return max(1.0, weights / layers / (2 * heads * head_dim) * _ATTENTION_EFFICIENCY)
 
     def pack(self) -> None:
         """Run this model's attention as packed attention from now on (see `attention.py`)."""

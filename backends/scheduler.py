@@ -1,18 +1,32 @@
 """The scheduler: who runs in the next step, and with how many tokens.
 
 Every decoding sequence gets its next token in every step, so running streams keep their pace. Prompts waiting to be
-prefilled share a token budget, first come first served, in chunks: the whole `chunk_tokens` when nothing is
-decoding, and `interleaved_tokens` beside running streams, so a long prompt delays them by a bounded amount per step
-(chunked prefill, as Sarathi-Serve and vLLM schedule it). A model without KV buffers runs one sequence per step,
-taking turns.
+prefilled share a budget, first come first served, in chunks: the whole `chunk_tokens` when nothing is decoding, and
+beside running streams as many as keep the step within `STREAM_SLOWDOWN` times a step of the streams alone, so a long
+prompt delays them by a bounded amount per step (chunked prefill, as Sarathi-Serve and vLLM schedule it).
+
+That budget is time, measured (`StepCosts`): what a step of the streams alone has taken lately, and what a prompt
+token has cost by the context it attends to. A token deep in a prompt attends to every position before it, so it
+costs more than one at the start (SmolLM2 on a CPU: 64 tokens after 8k positions take five times as long as 64 at the
+start); counting tokens alone would let late chunks slow the streams several times more than early ones.
+`interleaved_tokens` caps a chunk beside streams whatever the measures say. A model without KV buffers runs one
+sequence per step, taking turns.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from prefixgate.backends.sequence import Sequence
+
+# How many times longer than a step of the running streams alone a step with a prompt chunk beside them may take:
+# the streams slow to at most this much of their pace while a prompt is prefilled, and the prompt itself takes about
+# STREAM_SLOWDOWN / (STREAM_SLOWDOWN - 1) times its time alone (each step spends the rest on the streams).
+STREAM_SLOWDOWN = 3.0
+_UNMEASURED_TOKENS = 64  # a chunk beside streams before any step has been measured
+_MEMORY = 0.7  # each measure's weight in the next estimate is 1 - this: about the last three steps count
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,16 +35,69 @@ class Scheduled:
 
     seq: Sequence
     tokens: int  # the sequence's next prompt chunk, or 1 for its next decoded token
+    context: int = 0  # positions before these tokens, which each of them attends to
+    prefill: bool = False  # whether the tokens are the prompt's (else a decoded token)
+
+
+class StepCosts:
+    """What steps have cost lately: one of the decoding streams alone, and a prompt token by its context.
+
+    A prompt token after `context` positions counts as `1 + context / context_tokens` units: `context_tokens` is the
+    context at which its attention costs as much as the rest of its layer. Not thread-safe: the worker's thread
+    observes and plans.
+    """
+
+    def __init__(self, context_tokens: float) -> None:
+        if context_tokens <= 0:
+            raise RuntimeError(f"context_tokens must be positive, got {context_tokens}")
+        self.context_tokens = context_tokens
+        self.decode_seconds: float | None = None  # a step of decoding streams alone
+        self.seconds_per_unit: float | None = None  # a prompt token's share of a step, per unit
+        self._prefill = (0.0, 0.0)  # seconds and tokens of recent prompt-only steps, the older weighing less
+
+    @property
+    def seconds_per_prompt_token(self) -> float | None:
+        """Return the recent cost of a prompt token, on steps that computed prompts only; None before one."""
+        seconds, tokens = self._prefill  # one tuple, replaced whole: a reader on another thread sees a pair
+        return seconds / tokens if tokens else None
+
+    def units(self, tokens: int, context: int) -> float:
+        """Return what `tokens` prompt tokens after `context` positions cost, in units of a token at the start."""
+        return tokens * (1.0 + context / self.context_tokens)
+
+    def tokens_within(self, units: float, context: int) -> int:
+        """Return how many prompt tokens after `context` positions cost at most `units`."""
+        return int(units / (1.0 + context / self.context_tokens))
+
+    def observe(self, plan: Seq[Scheduled], seconds: float) -> None:
+        """Learn from a step that ran `plan` in `seconds`."""
+        prompt = [item for item in plan if item.prefill]
+        decoding = len(prompt) < len(plan)
+        if not prompt:
+            self.decode_seconds = _blend(self.decode_seconds, seconds)
+            return
+        units = sum(self.units(item.tokens, item.context) for item in prompt)
+        streams = 0.0  # the streams' share of the step
+        if decoding:
+            if self.decode_seconds is None:
+                return  # the prompt's share is unknown until the streams' own cost is
+            streams = self.decode_seconds
+        else:
+            past_seconds, past_tokens = self._prefill
+            tokens = sum(item.tokens for item in prompt)
+            self._prefill = (_RATE_MEMORY * past_seconds + seconds, _RATE_MEMORY * past_tokens + tokens)
+        self.seconds_per_unit = _blend(self.seconds_per_unit, max(0.0, seconds - streams) / units)
 
 
 class Scheduler:
     """Plan steps over the running sequences (given oldest first)."""
 
-    def __init__(self, *, chunk_tokens: int, interleaved_tokens: int, packed: bool = True) -> None:
+    def __init__(self, *, chunk_tokens: int, interleaved_tokens: int, costs: StepCosts, packed: bool = True) -> None:
         if chunk_tokens < 1 or interleaved_tokens < 1:
             raise RuntimeError("a step must have room for at least one prompt token")
         self.chunk_tokens = chunk_tokens
         self.interleaved_tokens = interleaved_tokens
+        self.costs = costs
         self.packed = packed
         self._turn = 0
 
@@ -42,14 +109,39 @@ class Scheduler:
             self._turn = (self._turn + 1) % len(running)
             seq = running[self._turn]
             # One pass over the whole prompt: such a model's cache cannot be trusted to continue a multi-token step.
-            return [Scheduled(seq, seq.prefill_left or 1)]
-        plan = [Scheduled(seq, 1) for seq in running if not seq.prefill_left]
-        budget = self.interleaved_tokens if plan else self.chunk_tokens
+            return [Scheduled(seq, seq.prefill_left or 1, seq.computed, prefill=bool(seq.prefill_left))]
+        plan = [Scheduled(seq, 1, seq.computed) for seq in running if not seq.prefill_left]
+        budget = self.interleaved_tokens if plan else self.chunk_tokens  # in tokens
+        units = self._interleaved_units() if plan else math.inf  # in StepCosts' units
         for seq in running:
-            if budget == 0:
+            if not seq.prefill_left:
+                continue
+            tokens = min(seq.prefill_left, budget)
+            if units < math.inf:
+                tokens = min(tokens, self.costs.tokens_within(units, seq.computed))
+            if tokens < 1:
+                if any(item.prefill for item in plan):
+                    break
+                tokens = 1  # one prompt token a step at least, however deep into its prompt
+            plan.append(Scheduled(seq, tokens, seq.computed, prefill=True))
+            budget -= tokens
+            units -= self.costs.units(tokens, seq.computed)
+            if budget <= 0 or units <= 0:
                 break
-            if seq.prefill_left:
-                tokens = min(seq.prefill_left, budget)
-                plan.append(Scheduled(seq, tokens))
-                budget -= tokens
         return plan
+
+    def _interleaved_units(self) -> float:
+        """Return the prompt units a step beside decoding streams may take, by what steps have cost lately."""
+        costs = self.costs
+        if costs.decode_seconds is None or costs.seconds_per_unit is None:
+            return float(_UNMEASURED_TOKENS)
+        if costs.seconds_per_unit == 0.0:
+            return math.inf  # prompt tokens have cost nothing measurable: the cap alone binds
+        return (STREAM_SLOWDOWN - 1.0) * costs.decode_seconds / costs.seconds_per_unit
+
+
+_RATE_MEMORY = 0.9  # each prompt-only step's weight in the rate of the next: about the last ten steps count
+
+
+def _blend(estimate: float | None, measure: float) -> float:
+    return measure if estimate is None else _MEMORY * estimate + (1.0 - _MEMORY) * measure

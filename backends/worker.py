@@ -53,7 +53,6 @@ class StepRecord:
 
 
 StepListener = Callable[[StepRecord], None]
-_RATE_MEMORY = 0.9  # each prefill step's weight in the rate of the next: about the last ten steps count
 
 
 class Worker:
@@ -77,7 +76,6 @@ class Worker:
         self._wake = threading.Condition()
         self._closed = False
         self._failure: str | None = None
-        self._prefill = (0.0, 0.0)  # seconds and tokens of recent prefill-only steps, the older weighing less
         self._ids = itertools.count(1)
         self._threads = torch.get_num_threads()  # the constructing thread's count: every core unless told otherwise
         # A daemon thread, so a process that forgets aclose() still exits; close() joins it properly.
@@ -87,8 +85,7 @@ class Worker:
     @property
     def seconds_per_prefill_token(self) -> float | None:
         """Return the recent cost of a prompt token, measured on steps that computed prompts only; None before one."""
-        seconds, tokens = self._prefill  # one tuple, replaced whole: a reader on another thread sees a pair
-        return seconds / tokens if tokens else None
+        return self._scheduler.costs.seconds_per_prompt_token
 
     def next_seq_id(self) -> int:
         """Return a fresh sequence id (1, 2, ... in submission order when taken just before submit)."""
@@ -182,10 +179,7 @@ class Worker:
                 continue
             work.append(Work(item.seq.seq_id, kind, item.tokens))
         seconds = self._clock() - started
-        if work and all(w.kind == "prefill" for w in work):
-            past_seconds, past_tokens = self._prefill
-            tokens = sum(w.tokens for w in work)
-            self._prefill = (_RATE_MEMORY * past_seconds + seconds, _RATE_MEMORY * past_tokens + tokens)
+        self._scheduler.costs.observe(plan, seconds)
         if self._on_step is not None:
             try:
                 self._on_step(StepRecord(tuple(work), started, seconds))

@@ -1,20 +1,21 @@
 """Serve many streams at once on SmolLM2 through HTTP, and measure what batching and chunked prefill give.
 
-Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about twenty minutes; `--budgets 64` and
-`--batches 1 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1, in float32 (the dtype of the batched
-forward it is compared with), with its store in memory; every long prompt shares no prefix with another, so each is
-computed whole. It prints two tables:
+Run by hand: `.venv/bin/python benchmarks/batching_bench.py` (about twenty minutes; `--running 1` and `--batches 1 8`
+make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory; every long prompt shares no
+prefix with another, so each is computed whole. It prints two tables:
 
-1. Aggregate decode tokens/s of 1, 4, 8, 16 and 32 concurrent streams (64 tokens each, greedy), counted while all of
-   them are decoding, with inter-token latency and time to first token; next to the limit, a plain batched forward
-   pass of the same model at the same batch size (one new token per row, short context), in this process, measured
-   just before each round's streams while the server idles. `--rounds` (default 3) rounds of each count; the table
-   gives the round with the median ratio, and every round's ratio (lowest first), since a 2-core machine's speed
-   drifts by up to a fifth between runs.
-2. For each `interleaved_prefill_tokens` budget: the inter-token latency of 4 running streams while idle and while a
-   cold 8k-token prompt is prefilled beside them, and that prompt's time to first token next to its time alone.
+1. In float32 (the dtype of the batched forward it is compared with): aggregate decode tokens/s of 1, 4, 8, 16 and 32
+   concurrent streams (64 tokens each, greedy), counted while all of them are decoding, with inter-token latency and
+   time to first token; next to the limit, a plain batched forward pass of the same model at the same batch size (one
+   new token per row, short context), in this process, measured just before each round's streams while the server
+   idles. `--rounds` (default 3) rounds of each count; the table gives the round with the median ratio, and every
+   round's ratio (lowest first), since a 2-core machine's speed drifts by up to a fifth between runs.
+2. For 1, 4 and 8 running streams (`--running`), served as `prefixgate serve` serves by default (bfloat16 where the
+   CPU computes it): their inter-token latency while idle and while a cold 8k-token prompt is prefilled beside them
+   (the median and the 90th percentile of the gaps), and that prompt's time to first token next to its time alone.
 
-`--prefixgate PATH` runs another build's `prefixgate` executable (table 1 only needs flags every build has).
+`--prefixgate PATH` runs another build's `prefixgate` executable (table 1 only needs flags every build has);
+`--flag` passes a flag to `serve` for table 2 (repeat it: `--flag=--interleaved-prefill-tokens --flag=80`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ MODEL = "smollm2-135m"
 STREAM_TOKENS = 64
 LONG_PROMPT_TOKENS = 8000
 FLOAT32 = ("--dtype", "float32")  # the server runs in the batched forward's dtype, which it is compared with
-RUNNING_STREAMS = 4
 
 
 @dataclass
@@ -196,8 +196,8 @@ def long_prompt(variant: int) -> str:
     return str(tokenizer.decode(ids)) + "\nWhich station logged the most readings?"
 
 
-async def prefill_beside_streams(url: str, prompt: str, idle_seconds: float) -> tuple[float, float, float]:
-    """Run streams, then a cold long prompt beside them; return their ITL p50 idle and during, and its TTFT."""
+async def prefill_beside_streams(url: str, prompt: str, running: int, idle_seconds: float) -> Beside:
+    """Run `running` streams, then a cold long prompt beside them; return their gaps idle and during, and its TTFT."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         records: list[Stream] = []
@@ -207,7 +207,7 @@ async def prefill_beside_streams(url: str, prompt: str, idle_seconds: float) -> 
             while not stop.is_set():  # an answer that ends is followed by another, so the stream never pauses
                 await stream(session, url, f"Write a long story about the number {i * 1000}.", 512, records)
 
-        runners = [asyncio.create_task(keep_streaming(i)) for i in range(RUNNING_STREAMS)]
+        runners = [asyncio.create_task(keep_streaming(i)) for i in range(running)]
         await asyncio.sleep(3.0)  # past every stream's first token
         idle_start = time.perf_counter()
         await asyncio.sleep(idle_seconds)
@@ -218,7 +218,21 @@ async def prefill_beside_streams(url: str, prompt: str, idle_seconds: float) -> 
         await asyncio.gather(*runners, return_exceptions=True)
     idle = [g for r in records for g in r.gaps(idle_start, long.sent)]
     during = [g for r in records for g in r.gaps(long.sent, long.arrivals[0])]
-    return statistics.median(idle), statistics.median(during), long.ttft
+    return Beside(idle, during, long.ttft)
+
+
+@dataclass(frozen=True)
+class Beside:
+    """Running streams' gaps between pieces while idle and while a long prompt was prefilled, and its TTFT."""
+
+    idle: list[float]
+    during: list[float]
+    ttft: float
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 async def alone(url: str, prompt: str) -> float:
@@ -238,12 +252,13 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each stream count")
-    parser.add_argument("--budgets", type=int, nargs="*", default=[16, 64, 80, 96, 128, 256], help="interleaved tokens")
+    parser.add_argument("--running", type=int, nargs="*", default=[1, 4, 8], help="streams beside the long prompt")
+    parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve` (table 2)")
     parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
     args = parser.parse_args()
     import torch
 
-    print(f"SmolLM2-135M-Instruct, float32, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores\n")
+    print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores\n")
     if args.batches:
         limit = BatchedForward()
         rows = []
@@ -273,28 +288,36 @@ async def main() -> None:
         print(f"Concurrent streams of {STREAM_TOKENS} tokens, through HTTP (the median of {args.rounds} rounds):")
         header = ["streams", "tokens/s", "batched forward", "of limit", "each round", "inter-token p50", "TTFT p50"]
         table(header, rows)
-    if args.budgets:
+    if args.running:
         rows = []
-        for index, budget in enumerate(args.budgets):
-            async with served(args.prefixgate, *FLOAT32, "--interleaved-prefill-tokens", str(budget)) as server:
+        for index, running in enumerate(args.running):
+            async with served(args.prefixgate, *args.flag) as server:
                 url = server.url
                 await concurrent_streams(url, 2)  # warm up
                 # Two prompts of the same length that share no prefix: each is computed whole.
-                idle, during, ttft = await prefill_beside_streams(url, long_prompt(2 * index), idle_seconds=3.0)
+                beside = await prefill_beside_streams(url, long_prompt(2 * index), running, idle_seconds=3.0)
                 by_itself = await alone(url, long_prompt(2 * index + 1))
+            idle, p50, p90 = (
+                statistics.median(beside.idle),
+                statistics.median(beside.during),
+                percentile(beside.during, 0.9),
+            )
             rows.append(
                 [
-                    str(budget),
+                    str(running),
                     f"{idle * 1e3:.0f} ms",
-                    f"{during * 1e3:.0f} ms",
-                    f"{during / idle:.1f}x",
-                    f"{ttft:.1f} s",
+                    f"{p50 * 1e3:.0f} ms",
+                    f"{p50 / idle:.1f}x",
+                    f"{p90 * 1e3:.0f} ms",
+                    f"{p90 / idle:.1f}x",
+                    f"{beside.ttft:.1f} s",
                     f"{by_itself:.1f} s",
-                    f"{ttft / by_itself:.2f}x",
+                    f"{beside.ttft / by_itself:.2f}x",
                 ]
             )
-        print(f"A cold {LONG_PROMPT_TOKENS}-token prompt arriving beside {RUNNING_STREAMS} running streams:")
-        header = ["interleaved", "ITL idle", "ITL during", "ratio", "its TTFT", "TTFT alone", "ratio"]
+        flags = " ".join(args.flag) or "the defaults"
+        print(f"A cold {LONG_PROMPT_TOKENS}-token prompt arriving beside running streams ({flags}):")
+        header = ["streams", "ITL idle", "during p50", "ratio", "p90", "ratio", "its TTFT", "TTFT alone", "ratio"]
         table(header, rows)
 
 

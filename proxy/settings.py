@@ -75,8 +75,8 @@ class Settings(BaseSettings):
     )
     interleaved_prefill_tokens: PositiveInt | None = Field(
         None,
-        description="prompt tokens a forward pass computes beside decoding streams: lower keeps their pace, higher "
-        "starts new prompts sooner; default prefill_chunk_tokens with CUDA, 80 on CPU",
+        description="the most prompt tokens a forward pass computes beside decoding streams (fewer when they would "
+        "slow the streams past 3 times their pace, as measured); default prefill_chunk_tokens",
     )
     kv_memory_budget: ByteSize | None = Field(
         None,

@@ -7,7 +7,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from prefixgate.backends import SamplingParams, StepRecord, Work
+from prefixgate.backends import HFBackend, SamplingParams, StepRecord, Work
+from prefixgate.backends.model_runner import StepInput
+from prefixgate.backends.scheduler import STREAM_SLOWDOWN
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import BlockSink, collect
 from tests.backends.test_kv_reuse import make_prompt
@@ -86,7 +88,10 @@ async def test_blocks_handed_back_before_cancellation_stay_handed_back(
 async def test_a_long_prefill_joins_a_running_decode_in_small_chunks(
     make_backend: BackendFactory, steps: list[StepRecord]
 ) -> None:
-    backend = make_backend(prefill_chunk_tokens=64, interleaved_prefill_tokens=8, on_step=steps.append)
+    # A clock that never moves: steps cost nothing measurable, so the cap of 8 tokens is the whole budget.
+    backend = make_backend(
+        prefill_chunk_tokens=64, interleaved_prefill_tokens=8, on_step=steps.append, clock=lambda: 0.0
+    )
     decoding = backend.generate(make_prompt(10), [], SamplingParams(max_tokens=60, temperature=0.0))
     await anext(decoding)  # sequence 1 is now decoding
 
@@ -108,6 +113,55 @@ async def test_a_prompt_alone_is_prefilled_in_whole_chunks(
     backend = make_backend(prefill_chunk_tokens=64, interleaved_prefill_tokens=8, on_step=steps.append)
     await collect(backend, make_prompt(300, offset=11), params=SamplingParams(max_tokens=2, temperature=0.0))
     assert [s.tokens("prefill") for s in steps if s.tokens("prefill")] == [64, 64, 64, 64, 44]
+
+
+class VirtualClock:
+    """A clock that only the model's steps move, each by what the test's cost model says the step costs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def slow(self, backend: HFBackend, *, decode: float, prompt_token: float, context_tokens: float) -> None:
+        """Make each step of `backend` cost `decode` per decoded token, and `prompt_token` per prompt token at the
+        start of its prompt, times `1 + context / context_tokens` after `context` positions."""
+        run = backend._runner.run
+
+        def costed(inputs: Sequence[StepInput]) -> torch.Tensor:
+            for i in inputs:
+                tokens = len(i.token_ids)
+                self.now += decode if tokens == 1 else prompt_token * tokens * (1 + i.start / context_tokens)
+            return run(inputs)
+
+        backend._runner.run = costed  # type: ignore[method-assign]
+
+
+async def test_a_long_prompt_beside_a_stream_keeps_each_step_within_the_slowdown(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    clock = VirtualClock()
+    backend = make_backend(prefill_chunk_tokens=64, on_step=steps.append, clock=clock)
+    # A decode step costs 10 ms; a prompt token 0.5 ms at the start of its prompt, and more the deeper it is.
+    clock.slow(backend, decode=0.010, prompt_token=0.0005, context_tokens=backend._runner.context_tokens())
+    decoding = backend.generate(make_prompt(10), [], LONG)
+    await anext(decoding)
+    await anext(decoding)  # the second token comes from a step of the stream alone: its cost is known
+
+    async def rest_of(stream: AsyncIterator[object]) -> int:
+        return len([c async for c in stream])
+
+    _, generation = await asyncio.gather(rest_of(decoding), collect(backend, make_prompt(300, offset=11), params=LONG))
+    beside = [s for s in steps if s.tokens("prefill") and s.tokens("decode")]
+    assert beside, "the prompt was prefilled beside the stream"
+    # Each such step took at most STREAM_SLOWDOWN times the stream's own step (the 10 ms), by the clock.
+    assert max(s.seconds for s in beside) <= STREAM_SLOWDOWN * 0.010 + 1e-9
+    assert max(s.seconds for s in beside) > (STREAM_SLOWDOWN - 0.5) * 0.010, "the budget is used, not wasted"
+    # Deeper into the prompt each token attends to more, so chunks shrink.
+    chunks = [s.tokens("prefill") for s in beside][:-1]  # the last is what was left of the prompt
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > 2 * chunks[-1], chunks
+    assert generation.finish_reason in ("stop", "length")
 
 
 def steps_of(steps: list[StepRecord], seq_id: int) -> list[StepRecord]:

@@ -27,6 +27,7 @@ from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
 from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal, sharing_refusal
 from prefixgate.backends.model_resolver import resolve_model
 from prefixgate.backends.model_runner import ModelRunner, StepInput
+from prefixgate.backends.packed_linear import prepack_linear_weights
 from prefixgate.backends.sampler import Sampler
 from prefixgate.backends.scheduler import Scheduler, StepCosts
 from prefixgate.backends.sequence import Decoding, SequencePlan
@@ -82,6 +83,7 @@ class HFBackend:
         min_shared_tokens: int = MIN_SHARED_TOKENS,
         on_step: StepListener | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        prepack_weights: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be at least 1 token, got {block_size}")
@@ -132,6 +134,9 @@ class HFBackend:
             costs=StepCosts(self._runner.context_tokens()),
             packed=self.prefix_reuse,
         )
+        # Last: the fingerprint and the step costs read the weights as parameters, which packed ones are not (they
+        # compute the same).
+        self.prepacked = prepack_linear_weights(model) if prepack_weights else 0
         self._worker = Worker(self._runner, scheduler, name=f"prefixgate-{model_id}", on_step=on_step, clock=clock)
 
     @classmethod
@@ -181,7 +186,7 @@ class HFBackend:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model!r} from {str(resolved.folder)!r}: {exc}") from exc
         hf_model.to(target)  # type: ignore[arg-type]
-        return cls(hf_model, tokenizer, model_id=resolved.model_id, **options)
+        return cls(hf_model, tokenizer, model_id=resolved.model_id, **{"prepack_weights": True, **options})
 
     @property
     def device(self) -> torch.device:

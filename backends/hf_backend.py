@@ -34,7 +34,7 @@ from prefixgate.backends.sequence import Decoding, SequencePlan
 from prefixgate.backends.shared_prefix import MIN_SHARED_TOKENS, PrefixStart, SharedPrefixes
 from prefixgate.backends.text_stream import TextStream
 from prefixgate.backends.tool_calls import ToolFormat, format_for, generic
-from prefixgate.backends.worker import StepListener, Worker
+from prefixgate.backends.worker import GATHER_SECONDS, StepListener, Worker
 from prefixgate.errors import (
     ConfigError,
     ContextLengthError,
@@ -84,6 +84,7 @@ class HFBackend:
         on_step: StepListener | None = None,
         clock: Callable[[], float] = time.perf_counter,
         prepack_weights: bool = False,
+        gather_seconds: float = GATHER_SECONDS,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be at least 1 token, got {block_size}")
@@ -137,7 +138,14 @@ class HFBackend:
         # Last: the fingerprint and the step costs read the weights as parameters, which packed ones are not (they
         # compute the same).
         self.prepacked = prepack_linear_weights(model) if prepack_weights else 0
-        self._worker = Worker(self._runner, scheduler, name=f"prefixgate-{model_id}", on_step=on_step, clock=clock)
+        self._worker = Worker(
+            self._runner,
+            scheduler,
+            name=f"prefixgate-{model_id}",
+            on_step=on_step,
+            clock=clock,
+            gather_seconds=gather_seconds,
+        )
 
     @classmethod
     def load(
@@ -252,6 +260,8 @@ class HFBackend:
                 on_resize=self._admission.adjust,
             )
             await self._admission.enter(reservation.nbytes)
+            self._worker.expect()
+            reservation.on_its_way(self._worker.unexpect)
         except BaseException:
             if start is not None:
                 start.release()
@@ -378,7 +388,7 @@ class HFBackend:
         handoff = LoopHandoff(asyncio.get_running_loop())
         seq = sequence.Sequence(self._worker.next_seq_id(), plan, memory, handoff, decoding=decoding, on_block=on_block)
         try:
-            self._worker.submit(seq)
+            self._worker.submit(seq, expected=memory.arrive())
         except BaseException:
             memory.release()
             raise

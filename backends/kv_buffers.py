@@ -101,6 +101,7 @@ class KVReservation:
         self._buffer: torch.Tensor | None = None  # taken when first asked for, once the offset is known
         self._on_release: Callable[[int], None] | None = on_release
         self._on_resize = on_resize
+        self._on_way: Callable[[], None] | None = None  # see on_its_way()
         self._lock = threading.Lock()
 
     @property
@@ -113,6 +114,18 @@ class KVReservation:
                 own = self.tokens - self.offset
                 self._buffer = self._buffers.take(max(self._first - self.offset, 1), own)
             return self._buffer
+
+    def on_its_way(self, gone: Callable[[], None]) -> None:
+        """Mark the request on its way to the model thread: `arrive()` ends that, or else `release()`, which calls
+        `gone`."""
+        with self._lock:
+            self._on_way = gone
+
+    def arrive(self) -> bool:
+        """End the way to the model thread; return whether the request was on it (True once at most)."""
+        with self._lock:
+            was, self._on_way = self._on_way is not None, None
+        return was
 
     async def settle(self) -> int:
         """Wait until the shared prefixes are filled; return the positions they hold. When a fill failed, the
@@ -174,7 +187,10 @@ class KVReservation:
             buffer, self._buffer = self._buffer, None
             start, self._start = self._start, None
             prefix, self._prefix = self._prefix, None
+            on_way, self._on_way = self._on_way, None
             self.shared = ()
+        if on_way is not None:
+            on_way()
         if on_release is None:
             return
         if buffer is not None and self._buffers is not None:

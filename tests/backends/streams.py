@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from prefixgate.backends import HFBackend, SamplingParams
+from prefixgate.backends import HFBackend, KVReservation, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -50,12 +50,13 @@ async def collect(
     blocks: Sequence[torch.Tensor] = (),
     params: SamplingParams = GREEDY,
     on_block: BlockSink | None = None,
+    reservation: KVReservation | None = None,
 ) -> Generation:
-    """Stream one generation to its end."""
+    """Stream one generation to its end (admitted with `reservation`, when given, as the engine admits one)."""
     token_ids: list[int] = []
     texts: list[str] = []
     finish: str | None = None
-    async for chunk in backend.generate(prompt, blocks, params, on_block):
+    async for chunk in backend.generate(prompt, blocks, params, on_block, reservation=reservation):
         assert finish is None, "no chunk may follow the one with a finish reason"
         token_ids.append(chunk.token_id)
         texts.append(chunk.text)

@@ -115,6 +115,45 @@ async def test_a_prompt_alone_is_prefilled_in_whole_chunks(
     assert [s.tokens("prefill") for s in steps if s.tokens("prefill")] == [64, 64, 64, 64, 44]
 
 
+async def test_prompts_admitted_together_are_prefilled_in_the_same_step(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    # A bound long enough never to be reached here: the second request's submission ends the wait, not the clock.
+    backend = make_backend(prefill_chunk_tokens=64, on_step=steps.append, gather_seconds=60.0)
+    prompts = [make_prompt(30), make_prompt(20, offset=5)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    first, second = [await backend.reserve(len(prompt), params.max_tokens) for prompt in prompts]
+    one = asyncio.create_task(collect(backend, prompts[0], params=params, reservation=first))
+    await gathering(backend)  # the first is submitted, and the model thread waits for the second
+    assert not steps
+    await asyncio.gather(one, collect(backend, prompts[1], params=params, reservation=second))
+    assert steps[0].seq_ids() == (1, 2) and steps[0].tokens("prefill") == 50
+
+
+async def test_a_request_given_up_on_its_way_is_not_waited_for(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    backend = make_backend(on_step=steps.append, gather_seconds=60.0)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    first = await backend.reserve(30, params.max_tokens)
+    given_up = await backend.reserve(20, params.max_tokens)
+    one = asyncio.create_task(collect(backend, make_prompt(30), params=params, reservation=first))
+    await gathering(backend)
+    given_up.release()  # its fetch failed, say: the engine releases it and the first goes on at once
+    answer = await asyncio.wait_for(one, timeout=30)  # not the 60 s bound
+    assert len(answer.token_ids) == 3 and steps and all(s.seq_ids() == (1,) for s in steps)
+
+
+async def gathering(backend: HFBackend) -> None:
+    """Return once the model thread waits for requests on their way; fail if it has not within 30 s."""
+
+    async def poll() -> None:
+        while not backend._worker.gathering:
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(poll(), timeout=30)
+
+
 class VirtualClock:
     """A clock that only the model's steps move, each by what the test's cost model says the step costs."""
 

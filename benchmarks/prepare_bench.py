@@ -10,7 +10,8 @@ input kind and size (in characters) it prints the median, over `--repeats` runs,
   it for a whole search, so one pattern's scan of a long text without a match is one stall;
 - x: each time over the one for the previous size; linear work grows as much as the input (10x input, about 10x).
 The kinds are the known worst cases ("request id" and then only spaces; thousands of dates), labels chained inside
-one long token, and plain prose in a system or a user message.
+one long token, and plain prose in a system or a user message. Every run scans its text as one never seen before:
+layout remembers the values it found in a long text, which a request repeating a system prompt gets at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from prefixgate.backends import HFBackend, SamplingParams
 from prefixgate.errors import ContextLengthError
+from prefixgate.proxy import layout
 from prefixgate.proxy.canonicalize import canonicalize_messages
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.layout import lay_out
@@ -77,6 +79,11 @@ KINDS: dict[str, Callable[[int], Messages]] = {
 }
 
 
+def forget_scanned_texts() -> None:
+    """Make every run scan its text, as a request with a text never seen before does (layout remembers long ones)."""
+    layout._FOUND.clear()
+
+
 async def prepare_once(engine: Engine, messages: Messages) -> tuple[float, float, str]:
     """Prepare one request; return its seconds, the longest event-loop stall meanwhile, and what came of it."""
     stall = 0.0
@@ -90,6 +97,7 @@ async def prepare_once(engine: Engine, messages: Messages) -> tuple[float, float
             now = time.perf_counter()
             stall, last = max(stall, now - last), now
 
+    forget_scanned_texts()
     ticker = asyncio.create_task(tick())
     await asyncio.sleep(0)  # the ticker runs before preparation starts
     request = PromptRequest(params=SamplingParams(max_tokens=1), messages=messages)
@@ -106,6 +114,7 @@ async def prepare_once(engine: Engine, messages: Messages) -> tuple[float, float
 
 
 def rules_once(messages: Messages) -> float:
+    forget_scanned_texts()
     start = time.perf_counter()
     lay_out(canonicalize_messages(messages))
     return time.perf_counter() - start

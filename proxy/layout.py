@@ -13,9 +13,13 @@ fail, can take quadratic time or worse on a long prompt.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from prefixgate.errors import DynamicPatternError
 
@@ -154,7 +158,34 @@ class LaidOut:
 
 
 def find_dynamic(text: str, patterns: Sequence[DynamicPattern] = DEFAULT_PATTERNS) -> list[DynamicMatch]:
-    """Return the per-request values in `text`, in order, without overlaps (the longest, then earliest, wins)."""
+    """Return the per-request values in `text`, in order, without overlaps (the longest, then earliest, wins).
+
+    A long text is scanned once and remembered by its digest: a system prompt sent with every request costs its
+    scan once (SmolLM2's 4k-token prompt of the benchmarks: 7 ms of the 12 ms a request took to prepare).
+    """
+    if len(text) < _REMEMBERED_CHARACTERS:
+        return _find_dynamic(text, patterns)
+    key = (xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass")), tuple(patterns))
+    with _FOUND_LOCK:
+        found = _FOUND.get(key)
+        if found is not None:
+            _FOUND.move_to_end(key)
+            return list(found)
+    found = tuple(_find_dynamic(text, patterns))
+    with _FOUND_LOCK:
+        _FOUND[key] = found
+        while len(_FOUND) > _REMEMBERED_TEXTS:
+            _FOUND.popitem(last=False)
+    return list(found)
+
+
+_REMEMBERED_CHARACTERS = 2048  # shorter texts are scanned every time: in well under a millisecond
+_REMEMBERED_TEXTS = 1024  # the most recently used long texts whose values are remembered (only the values are kept)
+_FOUND: OrderedDict[tuple[bytes, tuple[DynamicPattern, ...]], tuple[DynamicMatch, ...]] = OrderedDict()
+_FOUND_LOCK = threading.Lock()  # texts are laid out in worker threads, several at once
+
+
+def _find_dynamic(text: str, patterns: Sequence[DynamicPattern]) -> list[DynamicMatch]:
     candidates: list[tuple[int, int, int, DynamicMatch]] = []
     for rank, pattern in enumerate(patterns):
         for match in pattern.compiled.finditer(text):

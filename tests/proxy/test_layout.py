@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixgate.errors import ConfigError, DynamicPatternError
+from prefixgate.proxy import layout as layout_module
 from prefixgate.proxy.layout import (
     BLOCK_INTRO,
     DEFAULT_PATTERNS,
@@ -108,6 +109,19 @@ def test_a_datetime_is_not_also_counted_as_a_date_and_a_time() -> None:
 def test_the_longest_of_overlapping_matches_wins() -> None:
     patterns = (DynamicPattern("short", r"ab"), DynamicPattern("long", r"bcd"), DynamicPattern("tail", r"de"))
     assert [(m.pattern, m.start, m.end) for m in find_dynamic("abcde", patterns)] == [("long", 1, 4)]
+
+
+def test_a_long_text_scanned_before_gives_the_values_of_this_text_by_these_patterns() -> None:
+    rules = " ".join(f"Rule {i}: reply within {i % 9 + 1} days." for i in range(200))  # past the remembered length
+    today, tomorrow = f"{rules} Today is 2026-11-29.", f"{rules} Today is 2026-11-30."
+    assert len(today) >= layout_module._REMEMBERED_CHARACTERS
+    first = find_dynamic(today)
+    assert [(m.pattern, m.value) for m in first] == [("date", "2026-11-29")]
+    assert find_dynamic(today) == first  # remembered: the same values
+    assert [m.value for m in find_dynamic(tomorrow)] == ["2026-11-30"]  # another text, scanned afresh
+    assert find_dynamic(today, (DynamicPattern("rule", r"Rule \d+"),))[0].value == "Rule 0"  # other patterns too
+    first.clear()  # a caller's list is its own
+    assert find_dynamic(today) != first
 
 
 def test_lay_out_replaces_values_with_numbered_placeholders_and_appends_them() -> None:

@@ -177,8 +177,9 @@ class Worker:
             self._running = [s for s in self._running if not s.finished]
 
     def _gather(self) -> None:
-        """While nothing decodes, wait up to `gather_seconds` for the requests on their way (call with the lock)."""
-        if any(not seq.prefill_left for seq in self._running):
+        """When new prompts are ready and nothing decodes, wait up to `gather_seconds` for the requests on their way
+        (call with the lock)."""
+        if not self._arrivals or any(not seq.prefill_left for seq in self._running):
             return  # streams are decoding: they do not wait, and newcomers join the next step
         deadline = time.monotonic() + self._gather_seconds
         self.gathering = True

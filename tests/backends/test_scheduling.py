@@ -144,6 +144,24 @@ async def test_a_request_given_up_on_its_way_is_not_waited_for(
     assert len(answer.token_ids) == 3 and steps and all(s.seq_ids() == (1,) for s in steps)
 
 
+async def test_a_prompt_already_prefilling_does_not_wait_for_requests_on_their_way(
+    make_backend: BackendFactory, steps: list[StepRecord]
+) -> None:
+    backend = make_backend(prefill_chunk_tokens=16, on_step=steps.append, gather_seconds=60.0)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    long = asyncio.create_task(collect(backend, make_prompt(200), params=params))
+
+    async def first_step() -> None:
+        while not steps:
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(first_step(), timeout=30)
+    on_its_way = await backend.reserve(20, params.max_tokens)  # admitted, and never submitted while `long` runs
+    answer = await asyncio.wait_for(long, timeout=30)  # its remaining chunks do not wait out the 60 s bound
+    assert len(answer.token_ids) == 2 and len(steps) > 10
+    on_its_way.release()
+
+
 async def gathering(backend: HFBackend) -> None:
     """Return once the model thread waits for requests on their way; fail if it has not within 30 s."""
 

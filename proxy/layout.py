@@ -172,15 +172,19 @@ def find_dynamic(text: str, patterns: Sequence[DynamicPattern] = DEFAULT_PATTERN
             _FOUND.move_to_end(key)
             return list(found)
     found = tuple(_find_dynamic(text, patterns))
-    with _FOUND_LOCK:
-        _FOUND[key] = found
-        while len(_FOUND) > _REMEMBERED_TEXTS:
-            _FOUND.popitem(last=False)
+    if len(found) <= _REMEMBERED_VALUES:
+        with _FOUND_LOCK:
+            _FOUND[key] = found
+            while len(_FOUND) > _REMEMBERED_TEXTS:
+                _FOUND.popitem(last=False)
     return list(found)
 
 
 _REMEMBERED_CHARACTERS = 2048  # shorter texts are scanned every time: in well under a millisecond
 _REMEMBERED_TEXTS = 1024  # the most recently used long texts whose values are remembered (only the values are kept)
+# A text with more values is scanned every time, so that what is remembered stays small (at most 1,024 x 64 values)
+# whatever the prompts: a system prompt holds a few dates and ids, a text of thousands of dates is no shared prefix.
+_REMEMBERED_VALUES = 64
 _FOUND: OrderedDict[tuple[bytes, tuple[DynamicPattern, ...]], tuple[DynamicMatch, ...]] = OrderedDict()
 _FOUND_LOCK = threading.Lock()  # texts are laid out in worker threads, several at once
 

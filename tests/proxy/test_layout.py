@@ -124,6 +124,14 @@ def test_a_long_text_scanned_before_gives_the_values_of_this_text_by_these_patte
     assert find_dynamic(today) != first
 
 
+def test_a_long_text_full_of_values_is_not_remembered() -> None:
+    dates = " ".join(f"2026-{month:02d}-{day:02d}" for month in range(1, 13) for day in range(1, 29))  # 336 dates
+    assert len(dates) >= layout_module._REMEMBERED_CHARACTERS and layout_module._REMEMBERED_VALUES < 336
+    layout_module._FOUND.clear()
+    assert len(find_dynamic(dates)) == 336
+    assert not layout_module._FOUND
+
+
 def test_lay_out_replaces_values_with_numbered_placeholders_and_appends_them() -> None:
     system = f"Today is 2026-11-29, it is 14:05. Yesterday was 2026-11-28. Session {UUID}."
     laid = lay_out(chat(system))

@@ -1,9 +1,10 @@
 """How long `/health` waits while the largest allowed body is handled.
 
 Run by hand: `.venv/bin/python benchmarks/body_bench.py` (under a minute). It starts `prefixgate serve` (store in
-memory, `max_body_bytes` 16 MiB), then sends bodies as large as allowed (a chat body of one-word messages, and one of
-a single 16 MB message) while another connection asks `/health` every 10 ms, and prints for each body its size, the
-time to its answer (a 400: neither fits SmolLM2's context), and the longest and median `/health` round trip meanwhile.
+memory, `max_body_bytes` 16 MiB), then sends bodies as large as allowed (a chat body of one-word messages, the same
+with its last message invalid, and one of a single 16 MB message) while another connection asks `/health` every
+10 ms, and prints for each body its size, the time to its answer (a 400: none fits SmolLM2's context, and one fails
+validation), and the longest and median `/health` round trip meanwhile.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def bodies() -> dict[str, bytes]:
     one = json.dumps({"role": "user", "content": "word"})
     count = (LIMIT - 100) // (len(one) + 2)
     many = json.dumps({"model": MODEL, "messages": [json.loads(one)] * count}).encode()
+    invalid = json.dumps({"model": MODEL, "messages": [json.loads(one)] * (count - 1) + [{"role": "x", "content": ""}]})
     single = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * ((LIMIT - 200) // 5)}]})
-    return {f"{count:,} one-word messages": many, "one message of 16 MB": single.encode()}
+    return {
+        f"{count:,} one-word messages": many,
+        "the same, the last one invalid": invalid.encode(),
+        "one message of 16 MB": single.encode(),
+    }
 
 
 async def measure(url: str, raw: bytes) -> tuple[float, int, list[float]]:

@@ -88,8 +88,10 @@ def parse_json(raw: bytes, model: type[_Body]) -> _Body:
         item = _list_item_model(field.annotation)
         value = data.get(name)
         if item is not None and isinstance(value, list) and len(value) > _ITEMS:
-            data[name] = _validated_items(name, value, item)
-            let_go(value)
+            try:
+                data[name] = _validated_items(name, value, item)
+            finally:
+                let_go(value)  # here, not on the loop where a refusal's traceback would free it
     return model.model_validate(data)
 
 
@@ -215,5 +217,6 @@ def _validated_items(name: str, items: list[Any], model: type[BaseModel]) -> lis
                 | {"loc": (name, start + int(problem["loc"][0]), *problem["loc"][1:])}
                 for problem in error.errors()
             ]
+            let_go(validated)  # the traceback keeps this frame: what it validated is let go of here
             raise ValidationError.from_exception_data(error.title, problems) from None  # type: ignore[arg-type]
     return validated

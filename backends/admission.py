@@ -29,7 +29,9 @@ class AdmissionStats:
     budget_bytes: int
     max_running: int
     max_waiting: int
-    shared_prefixes: int = 0  # prefixes in memory read in place by running requests (counted once in bytes_in_use)
+    # Prefixes running requests read in place where the store's top tier holds them, and their bytes: the tier's
+    # memory, not in bytes_in_use.
+    shared_prefixes: int = 0
     shared_bytes: int = 0
 
 
@@ -95,15 +97,6 @@ class Admission:
         """Give back a share taken by `enter`, from any thread, and admit whoever waits and now fits."""
         with self._lock:
             self._give_back(nbytes)
-
-    def charge(self, delta: int) -> bool:
-        """Count `delta` more bytes if they fit the budget beside what is counted now, without waiting; negative bytes
-        are given back. Return whether they were counted (a shared prefix is made only when its memory fits)."""
-        with self._lock:
-            if delta > 0 and self._in_use + delta > self.budget_bytes:
-                return False
-            self._add(delta)
-            return True
 
     def adjust(self, delta: int) -> None:
         """Count `delta` more bytes (negative: fewer) whatever the budget, from any thread: a request whose shared

@@ -221,8 +221,9 @@ class Backend(Protocol):
         """Start a request from one shared copy of its cached prefix: `block_ids` name its leading blocks held in the
         store (block 0 first), `forks` where other cached prompts depart from it. None: nothing to share.
 
-        A start with a `fill` made a new shared prefix: fetch its blocks into `fill.kv` and call `filled()` at once,
-        whatever happens to the request. Pass the start to `reserve`.
+        A start with a `fill` made a new shared prefix: have the store lend its blocks in place
+        (`TieredStore.borrow`) and call `filled()` at once, whatever happens to the request. Pass the start to
+        `reserve`.
         """
         ...
 

@@ -128,7 +128,7 @@ class HFBackend:
         self.sharing_refusal: str | None = self.reuse_refusal or sharing_refusal(model.config)
         self._prefixes: SharedPrefixes | None = None
         if self._buffers is not None and self.sharing_refusal is None:
-            self._prefixes = SharedPrefixes(self._buffers, self._admission.charge, min_tokens=min_shared_tokens)
+            self._prefixes = SharedPrefixes(block_size, min_tokens=min_shared_tokens)
         scheduler = Scheduler(
             chunk_tokens=prefill_chunk_tokens,
             interleaved_tokens=interleaved_prefill_tokens or prefill_chunk_tokens,
@@ -238,8 +238,8 @@ class HFBackend:
         """Start a request from the shared prefix of its cached blocks (their ids, block 0 first; `forks` as the
         store's `held` finds them), or return None when it copies them into its own buffer (see `shared_prefix.py`).
 
-        When the start has a `fill`, fetch those blocks into `fill.kv` and report with `filled()` at once, before
-        `reserve`: others may be waiting for them. Pass the start to `reserve`, which takes it over.
+        When the start has a `fill`, have the store lend those blocks in place and report with `filled()` at once,
+        before `reserve`: others may be waiting for them. Pass the start to `reserve`, which takes it over.
         """
         if self._prefixes is None or not block_ids:
             return None

@@ -1,18 +1,18 @@
-"""Shared prefixes: one copy in memory of a cached prefix that running requests start from, read by all of them.
+"""Shared prefixes: a cached prefix that running requests start from, read by all of them in place.
 
-A prompt's cached blocks are fetched once into a shared prefix, and every running request whose prompt starts with
-the same blocks reads it in place: its own KV buffer holds only what follows, and attention over the prefix runs once
-per step for all its readers (`attention.py`). A shared prefix may extend another (a system prompt shared by all, a
-document after it shared by some): each holds its own positions only and is read by the readers of every prefix that
-extends it.
+A prompt's cached blocks are lent to a shared prefix by the store's top tier, as they lie in its memory (on the
+model's device), and every running request whose prompt starts with the same blocks reads it there: its own KV buffer
+holds only what follows, and attention over the prefix runs once per step for all its readers (`attention.py`). The
+tier and the running requests hold one copy between them, under the tier's budget: admission counts each request for
+its own tokens only. A shared prefix may extend another (a system prompt shared by all, a document after it shared by
+some): each holds its own positions only and is read by the readers of every prefix that extends it.
 
-Life of one: the first request that needs it creates it, empty, and fills it from the store before it is admitted
-itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Admission counts a shared
-prefix once, from its creation, and only if it fits the budget then (else the request copies the blocks into its own
-buffer, as before sharing); each request is admitted for its own tokens. Each reader holds a reference, a prefix
-extending it holds one, and so does the fill while it writes. When the last goes, the memory goes back to the KV
-buffers and its bytes back to admission. The store keeps its own copy of the blocks: a flush or eviction there never
-touches what running requests read.
+Life of one: the first request that needs it creates it, empty, and has the store lend it the blocks before it is
+admitted itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Each reader holds
+a reference, a prefix extending it holds one, and so does the fill while it runs. When the last goes, the loan ends:
+the blocks stay in the tier under its policy (while lent, it never evicts them, and a flush keeps their memory until
+then). A fill that cannot lend every block (the tier full of blocks it cannot evict) fails the prefix, and its
+readers copy the blocks into their own buffers, as before sharing.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from prefixgate.backends.kv_buffers import KVBuffers, round_up
-
 # Runs of fewer cached tokens than this (4 blocks of the default 64) are copied into the request's own buffer: a
 # shared prefix costs an attention call and a merge per layer and step, which a short one does not repay.
 MIN_SHARED_TOKENS = 256
@@ -34,21 +32,20 @@ MIN_SHARED_TOKENS = 256
 class SharedPrefix:
     """One run of cached blocks in memory, after its parent's, read in place by the requests that start with it."""
 
-    def __init__(
-        self, key: Hashable, parent: SharedPrefix | None, blocks: int, block_size: int, raw: torch.Tensor
-    ) -> None:
+    def __init__(self, key: Hashable, parent: SharedPrefix | None, blocks: int, block_size: int) -> None:
         self.key = key  # the id of its last block: chained ids name every block before it too
         self.parent = parent
         self.blocks: int = blocks  # blocks from position 0 through its own
         self.first_block: int = parent.blocks if parent is not None else 0
         self.start = self.first_block * block_size  # positions before it, held by its parents
         self.tokens = (blocks - self.first_block) * block_size
-        self.kv = raw[:, :, :, : self.tokens]  # kv: [layers, 2, kv_heads, tokens, head_dim]
-        self.raw = raw
+        # Its K and V where the store lends them, once filled: one view per run of memory, in order, each
+        # [layers, 2, kv_heads, tokens, head_dim], the same tensor objects for every reader.
+        self.kv: tuple[torch.Tensor, ...] = ()
         self.tiers: tuple[str, ...] = ()  # where each of its blocks was read from, once filled
         self.filled: concurrent.futures.Future[bool] = concurrent.futures.Future()
         self.references = 0
-        self.charged = 0  # bytes admission counts for it, from its creation to its end
+        self.give_back: Callable[[], None] | None = None  # ends the store's loan of its blocks
 
     @property
     def end(self) -> int:
@@ -79,11 +76,12 @@ class PrefixStart:
         """Return the positions the shared prefixes hold once filled: the request's own buffer starts there."""
         return self.prefix.end
 
-    def filled(self, tiers: Sequence[str]) -> None:
-        """Report the fill: `tiers` names where each block came from; fewer names than blocks fail the prefix."""
+    def filled(self, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]) -> None:
+        """Report the fill: the blocks' K and V lent in place (runs of positions, in order), where each block came
+        from (fewer names than blocks fail the prefix), and what ends the loan."""
         assert self.fill is not None, "only the request that created a prefix fills it"
         fill, self.fill = self.fill, None
-        self._prefixes.filled(fill, tiers)
+        self._prefixes.filled(fill, kv, tiers, give_back)
 
     async def settle(self) -> bool:
         """Wait until every prefix read is filled; return whether all of them were (else the start is released)."""
@@ -103,27 +101,19 @@ class PrefixStart:
 class SharedPrefixes:
     """The shared prefixes in memory, found by the ids of the blocks they hold. Thread-safe."""
 
-    def __init__(
-        self,
-        buffers: KVBuffers,
-        charge: Callable[[int], bool],
-        *,
-        min_tokens: int = MIN_SHARED_TOKENS,
-    ) -> None:
-        self._buffers = buffers
-        # Counts bytes in admission if they fit its budget now, returning whether they did; negative bytes give back.
-        self._charge = charge
+    def __init__(self, block_size: int, *, min_tokens: int = MIN_SHARED_TOKENS) -> None:
+        self._block_size = block_size
         self._min_tokens = min_tokens
         self._by_key: dict[Hashable, SharedPrefix] = {}
         self._live = 0  # prefixes in memory, found or not (one whose fill failed lives on while its readers do)
-        self._bytes = 0  # what admission counts for them
+        self._bytes = 0  # the K and V they read
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._live
 
     def nbytes(self) -> int:
-        """Return the bytes admission counts for shared prefixes now."""
+        """Return the bytes of K and V shared prefixes read now."""
         return self._bytes
 
     def attach(self, ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
@@ -135,7 +125,7 @@ class SharedPrefixes:
         follows it is the request's own (or, read on past it by later requests, a prefix of its own in turn).
         Return None when there is nothing to share.
         """
-        size = self._buffers.geometry.block_size
+        size = self._block_size
         with self._lock:
             found = None
             for count in range(len(ids), 0, -1):
@@ -147,13 +137,9 @@ class SharedPrefixes:
             covered = found.blocks if found is not None else 0
             least = covered + -(-self._min_tokens // size)  # the fewest blocks a new prefix may end after
             end = min((fork for fork in forks if least <= fork <= len(ids)), default=len(ids))
-            tokens = (end - covered) * size
-            if end >= least and self._charge(self._buffers.nbytes_for(tokens)):
-                raw = self._buffers.take(tokens, round_up(tokens))
-                fill = SharedPrefix(ids[end - 1], found, end, size, raw)
-                fill.charged = self._buffers.nbytes_for(tokens)
+            if end >= least:
+                fill = SharedPrefix(ids[end - 1], found, end, size)
                 self._live += 1
-                self._bytes += fill.charged
                 if found is not None:
                     found.references += 1  # held by the new prefix for as long as it lives
                 fill.references = 1  # the fill's, dropped by filled()
@@ -164,19 +150,26 @@ class SharedPrefixes:
             found.references += 1
         return PrefixStart(self, found, fill)
 
-    def filled(self, prefix: SharedPrefix, tiers: Sequence[str]) -> None:
-        """Report a fill done: `tiers` names where each block came from; fewer names than blocks fail the prefix."""
+    def filled(
+        self, prefix: SharedPrefix, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]
+    ) -> None:
+        """Report a fill done (see `PrefixStart.filled`)."""
         complete = len(tiers) == prefix.blocks - prefix.first_block
+        if complete:
+            assert sum(run.shape[3] for run in kv) == prefix.tokens, "a fill lends every position of its prefix"
+        else:
+            give_back()  # a prefix short of blocks is read by nobody
         with self._lock:
             if complete:
-                prefix.tiers = tuple(tiers)
+                prefix.kv, prefix.tiers, prefix.give_back = tuple(kv), tuple(tiers), give_back
+                self._bytes += sum(run.numel() * run.element_size() for run in kv)
             elif self._by_key.get(prefix.key) is prefix:
                 del self._by_key[prefix.key]  # nobody new attaches to it; its readers go on without it
         prefix.filled.set_result(complete)
         self.release(prefix)
 
     def release(self, prefix: SharedPrefix) -> None:
-        """Drop one reference; a prefix nobody references any more gives its memory and bytes back."""
+        """Drop one reference; a prefix nobody references any more ends its loan."""
         freed: list[SharedPrefix] = []
         with self._lock:
             current: SharedPrefix | None = prefix
@@ -189,8 +182,8 @@ class SharedPrefixes:
                     del self._by_key[current.key]
                 freed.append(current)
                 self._live -= 1
-                self._bytes -= current.charged
+                self._bytes -= sum(run.numel() * run.element_size() for run in current.kv)
                 current = current.parent  # its reference on the parent goes with it
         for gone in freed:
-            self._charge(-gone.charged)
-            self._buffers.give_back(gone.raw)
+            if gone.give_back is not None:
+                gone.give_back()

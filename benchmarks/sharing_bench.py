@@ -9,9 +9,10 @@ length with one request, then prints:
    of the two (nan when the streams never all decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix; the median of 3), and the
    slowest first token of N warm requests sent at once; the ratio of the two. Both follow the streams on the prefix.
-3. KV memory for 32 streams on the 4k prefix: the bytes admission counts (`prefixgate_kv_memory_bytes` at its
-   highest while they run), one prefix's bytes plus each stream's own tokens for comparison, the server's resident
-   memory added, and whether all were admitted without a 429.
+3. KV memory for 32 streams on the 4k prefix, at its highest while they run: the shared prefix's bytes, read in place
+   in the host tier (`prefixgate_kv_shared_bytes`), and the streams' own, which admission counts
+   (`prefixgate_kv_memory_bytes`); the server's resident memory added (the prefix was in the host tier before); and
+   whether all were admitted without a 429.
 
 `--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
 `serve` (repeat it: `--flag=--dtype --flag=bfloat16`). `--llama-server PATH --gguf FILE` runs llama.cpp's server
@@ -118,8 +119,8 @@ async def gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
 
 
 async def memory_of(url: str, system: str, count: int, pid: int, first: int) -> tuple[float, float, float, int]:
-    """Run `count` streams on the cached prefix; return the highest admitted KV bytes, the shared bytes then, the
-    resident memory added (MiB), and the requests refused."""
+    """Run `count` streams on the cached prefix; return the most KV bytes held (shared prefix and the streams' own),
+    the shared bytes then, the resident memory added (MiB), and the requests refused."""
     rss_before = _rss(pid)
     highest, shared = 0.0, 0.0
     refused = 0
@@ -135,9 +136,10 @@ async def memory_of(url: str, system: str, count: int, pid: int, first: int) -> 
         tasks = [asyncio.create_task(one(first + i)) for i in range(count)]
         rss_peak = rss_before
         while not all(task.done() for task in tasks):
-            in_use = await gauge(session, url, "prefixgate_kv_memory_bytes")
-            if in_use > highest:
-                highest, shared = in_use, await gauge(session, url, "prefixgate_kv_shared_bytes")
+            own = await gauge(session, url, "prefixgate_kv_memory_bytes")
+            lent = await gauge(session, url, "prefixgate_kv_shared_bytes")
+            if own + lent > highest:
+                highest, shared = own + lent, lent
             rss_peak = max(rss_peak, _rss(pid))
             await asyncio.sleep(0.05)
         await asyncio.gather(*tasks)
@@ -217,10 +219,9 @@ async def main() -> None:
     table(["prefix", "at once", "one alone", "slowest of them", "ratio"], arrivals)
     if memory is not None:
         tokens, highest, shared, rss, refused = memory
-        one_prefix = shared or float("nan")
         print(f"KV memory of {args.memory_streams} streams on the {tokens}-token prefix:")
         table(
-            ["admitted at most", "of it shared", "beside it", "resident memory added", "refused"],
+            ["held at most", "the shared prefix", "the streams' own", "resident memory added", "refused"],
             [
                 [
                     f"{highest / 2**20:.0f} MiB",
@@ -231,8 +232,6 @@ async def main() -> None:
                 ]
             ],
         )
-        if shared:
-            print(f"(one copy of the prefix is {one_prefix / 2**20:.0f} MiB; without sharing each stream held one)")
 
 
 if __name__ == "__main__":

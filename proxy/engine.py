@@ -36,6 +36,7 @@ from prefixgate.proxy.tool_use import ToolCallStream, answer_grammar
 from prefixgate.store import (
     Block,
     BlockKey,
+    Borrowed,
     HeldRun,
     Namespace,
     PrefixHit,
@@ -463,7 +464,10 @@ class Engine:
         return held, owned
 
     async def _start(self, prepared: PreparedPrompt, held: HeldRun) -> PrefixStart | None:
-        """Start from the shared prefix of the held blocks, filling it from the store when this request made it."""
+        """Start from the shared prefix of the held blocks, lent by the store when this request made it; None when the
+        store's top tier is not memory on the model's device (each request then copies its prefix)."""
+        if not self.store.lends:
+            return None
         start = self.backend.start_prefix(prepared.keys[: held.blocks], held.forks)
         if start is not None and start.fill is not None:
             try:
@@ -483,17 +487,15 @@ class Engine:
         return replace(hit, tiers=reservation.shared_tiers + hit.tiers)
 
     def _fill(self, prepared: PreparedPrompt, start: PrefixStart) -> None:
-        """Fetch a new shared prefix's blocks into it and report how far that got, whatever happens."""
+        """Have the store lend a new shared prefix its blocks in place, and report how far that got, whatever
+        happens."""
         fill = start.fill
         assert fill is not None
-        tiers: tuple[str, ...] = ()
+        lent = Borrowed.nothing()
         try:
-            found = self.store.fetch(
-                prepared.namespace, prepared.token_ids, fill.kv, start=fill.first_block, stop=fill.blocks
-            )
-            tiers = found.tiers
+            lent = self.store.borrow(prepared.namespace, prepared.token_ids, start=fill.first_block, stop=fill.blocks)
         finally:
-            start.filled(tiers)
+            start.filled(lent.kv, lent.tiers, lent.give_back)
 
     def _fetch(self, prepared: PreparedPrompt, buffer: torch.Tensor | None, start: int = 0) -> PrefixHit:
         """Fetch the cached prefix after its first `start` blocks into `buffer`; extend the retention of the blocks

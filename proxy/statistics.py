@@ -260,7 +260,7 @@ class EngineCollector(Collector):
             ("kv_memory_bytes", "KV memory reserved by running requests, in bytes.", admission.bytes_in_use),
             ("kv_memory_budget_bytes", "KV memory running requests may reserve, in bytes.", admission.budget_bytes),
             ("kv_shared_prefixes", "Cached prefixes running requests read in place.", admission.shared_prefixes),
-            ("kv_shared_bytes", "KV memory of shared prefixes, within kv_memory_bytes.", admission.shared_bytes),
+            ("kv_shared_bytes", "Shared prefixes' KV, in the top tier (not kv_memory_bytes).", admission.shared_bytes),
         ):
             yield _family(
                 GaugeMetricFamily, f"prefixgate_{name}", help_text, ["model_name"], [([self._model_name], value)]

@@ -1,7 +1,16 @@
-"""The device and host tiers: a preallocated pool of block slots with a free list."""
+"""The device and host tiers: a preallocated pool of block slots with a free list, lent in place to running requests.
+
+The pool is laid out token-major per layer, `[layers, 2, kv_heads, slots * block_size, head_dim]`: slot i holds
+positions `[i * block_size, (i + 1) * block_size)` of every layer's K and V. A run of consecutive slots is then one
+view with the shape of a KV cache, and a prefix whose blocks lie in consecutive slots is read by attention in place,
+as it lies. A block goes into the slot after its parent's when that one is free, so a prompt's blocks, stored in
+order, usually form one run. A borrowed slot (`borrow`) is read by running requests: it is never evicted, and when
+its block is removed (a flush, a delete, expiry) the slot stays out of use until the last reader gives it back.
+"""
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +39,13 @@ class _Slot:
     keep: Keep
 
 
+@dataclass(slots=True)
+class _Readers:
+    key: BlockKey
+    count: int = 0
+    removed: bool = False  # the block left the tier while read: the slot is freed when the last reader ends
+
+
 class MemoryTier(Tier):
     """Blocks in one preallocated tensor on a device: no allocation per block, no fragmentation.
 
@@ -51,8 +67,11 @@ class MemoryTier(Tier):
         super().__init__(name, layout, capacity_bytes, policy, clock)
         self.device = torch.device(device)
         slots = self.capacity_blocks
-        # pool: [slots, layers, 2, kv_heads, block_size, head_dim]
-        self._pool = torch.empty((slots, *layout.shape), dtype=layout.dtype, device=self.device)
+        layers, two, kv_heads, self._block_size, head_dim = layout.shape
+        # pool: [layers, 2, kv_heads, slots * block_size, head_dim]
+        self._pool = torch.empty(
+            (layers, two, kv_heads, slots * self._block_size, head_dim), dtype=layout.dtype, device=self.device
+        )
         # Pinned by registering the pool's own pages, not by allocating it with pin_memory=True: PyTorch's pinned
         # allocator rounds every allocation up to a power of two, so a 10 GiB host tier would lock 16 GiB of RAM.
         # The finalizer unregisters them on close, or when the tier is dropped unclosed (a failed open).
@@ -60,26 +79,24 @@ class MemoryTier(Tier):
         if pin_memory and slots > 0:
             self._unpin = weakref.finalize(self, _pin(self._pool, name))
             self._unpin.atexit = False  # at exit the process's end releases the pages anyway
-        # Pop from the end: the lowest slots are used first, which keeps a small working set warm in caches.
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots))  # ascending
+        self._next = 0  # where the next block without a free slot after its parent goes: the first free one from here
         self._slots: Held[_Slot] = Held()
+        self._readers: dict[int, _Readers] = {}  # borrowed slots by index
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def has_room(self) -> bool:
+        return bool(self._free)  # slots of removed blocks still read are in use, though no entry holds them
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._slots
 
     def get(self, key: BlockKey, tokens: Sequence[int], out: torch.Tensor | None = None) -> Block | None:
-        slot = self._slots.get(key)
+        slot = self._verified(key, tokens)
         if slot is None:
             return None
-        if slot.block.tokens != tuple(tokens):
-            # Same chained hash, other tokens: a collision or a forged key. Never serve it.
-            self.remove(key)
-            self.counters.add("corrupt")
-            return None
-        self.policy.touch(key)
         block = slot.block
         kv = block.kv.clone() if out is None else out.copy_(block.kv, non_blocking=out.is_cuda and block.kv.is_pinned())
         return Block(block.key, block.tokens, kv, block.parent, block.tenant, block.created)
@@ -105,12 +122,14 @@ class MemoryTier(Tier):
         slot = self._slots.get(block.key)
         if slot is None:
             assert self._free, f"{self.name} tier is full: the store must make room first"
-            index = self._free.pop()
+            index = self._allocate(block.parent)
         else:
             index = slot.index
-        view = self._pool[index]  # kv: [layers, 2, kv_heads, block_size, head_dim]
-        # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
-        view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
+        view = self.span(index, 1)  # kv: [layers, 2, kv_heads, block_size, head_dim]
+        # A slot being read keeps its K and V: a block of the same key holds the same tokens' K and V.
+        if index not in self._readers:
+            # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
+            view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
         self._slots.set(block.key, block.parent, _Slot(index, stored, keep))
         self._track(block.key, block.created, keep)
@@ -120,7 +139,11 @@ class MemoryTier(Tier):
         slot = self._slots.pop(key)
         if slot is None:
             return False
-        self._free.append(slot.index)
+        readers = self._readers.get(slot.index)
+        if readers is not None:
+            readers.removed = True
+        else:
+            bisect.insort(self._free, slot.index)
         self.policy.remove(key)
         return True
 
@@ -131,9 +154,48 @@ class MemoryTier(Tier):
         slot.keep = replace(slot.keep, pinned=pinned)
         if pinned:
             self.policy.pin(key)
-        else:
+        elif slot.index not in self._readers:  # a block being read stays pinned until its last reader ends
             self.policy.unpin(key)
         return True
+
+    def borrow(self, key: BlockKey, tokens: Sequence[int]) -> int | None:
+        """Lend the block in place to a reader: return its slot (read it with `span`, give it back with `give_back`),
+        or None when it is not held here or fails verification (then it is removed and counted corrupt).
+
+        Until given back the block is never evicted, and its slot is not reused even if the block is removed.
+        """
+        slot = self._verified(key, tokens)
+        if slot is None:
+            return None
+        readers = self._readers.setdefault(slot.index, _Readers(key))
+        readers.count += 1
+        self.policy.pin(key)
+        return slot.index
+
+    def give_back(self, index: int) -> None:
+        """End one reader's loan of slot `index`; after the last, the block is kept (or the slot freed) as if never
+        lent."""
+        readers = self._readers[index]
+        readers.count -= 1
+        if readers.count:
+            return
+        del self._readers[index]
+        if readers.removed:
+            bisect.insort(self._free, index)
+            return
+        slot = self._slots.get(readers.key)
+        if slot is not None and slot.index == index and not slot.keep.pinned:
+            self.policy.unpin(readers.key)
+
+    def lent(self) -> int:
+        """Return how many slots running requests read now."""
+        return len(self._readers)
+
+    def span(self, first: int, count: int) -> torch.Tensor:
+        """Return slots `first` to `first + count` (not included) as one view:
+        [layers, 2, kv_heads, count * block_size, head_dim]."""
+        size = self._block_size
+        return self._pool[:, :, :, first * size : (first + count) * size]
 
     def keys(self) -> list[BlockKey]:
         return list(self._slots)
@@ -166,6 +228,32 @@ class MemoryTier(Tier):
     def close(self) -> None:
         if self._unpin is not None:
             self._unpin()
+
+    def _verified(self, key: BlockKey, tokens: Sequence[int]) -> _Slot | None:
+        """Return the block's slot, counting a use, if it holds `tokens`; a block that does not is removed."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        if slot.block.tokens != tuple(tokens):
+            # Same chained hash, other tokens: a collision or a forged key. Never serve it.
+            self.remove(key)
+            self.counters.add("corrupt")
+            return None
+        self.policy.touch(key)
+        return slot
+
+    def _allocate(self, parent: BlockKey | None) -> int:
+        """Take a free slot: the one after the parent's when free, so a prefix stays one run, else the first free
+        one from where the last went."""
+        after = self._slots.get(parent) if parent is not None else None
+        if after is not None:
+            place = bisect.bisect_left(self._free, after.index + 1)
+            if place < len(self._free) and self._free[place] == after.index + 1:
+                return self._free.pop(place)
+        place = bisect.bisect_left(self._free, self._next)
+        index = self._free.pop(place if place < len(self._free) else 0)
+        self._next = index + 1
+        return index
 
 
 def _pin(pool: torch.Tensor, name: str) -> Callable[[], None]:

@@ -98,6 +98,22 @@ class HeldRun:
 
 
 @dataclass(frozen=True, slots=True)
+class Borrowed:
+    """Blocks of a prompt lent in place from the top tier to running requests, until `give_back()`."""
+
+    # Their K and V as they lie in the tier, one view per run of consecutive slots, in order:
+    # each [layers, 2, kv_heads, tokens, head_dim].
+    kv: tuple[torch.Tensor, ...]
+    tiers: tuple[str, ...]  # where each block was found (below the top tier, it was promoted to be lent)
+    give_back: Callable[[], None]  # ends the loan, once; calling it again does nothing
+
+    @classmethod
+    def nothing(cls) -> Borrowed:
+        """Return a loan of no blocks."""
+        return cls((), (), _nothing)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Where the cached prefix of a prompt lies: the tier of each leading block present, without loading any."""
 
@@ -437,6 +453,74 @@ class TieredStore:
                 f"{str(out.dtype).removeprefix('torch.')} on {out.device}"
             )
 
+    @property
+    def lends(self) -> bool:
+        """Return whether the top tier is memory on the model's device, which `borrow` lends in place."""
+        top = self.tiers[0]
+        return isinstance(top, MemoryTier) and _indexed(top.device) == self.device and top.capacity_blocks > 0
+
+    def borrow(self, namespace: Namespace, tokens: Sequence[int], *, start: int, stop: int) -> Borrowed:
+        """Lend the prompt's blocks `start` to `stop` (not included) in place, from the top tier, for running requests
+        to read without a copy; a block found below it is promoted first. Stops at the first block it cannot lend (not
+        held, or the top tier full of blocks it cannot evict): fewer tiers than blocks asked say so.
+
+        Lent blocks are never evicted; one removed meanwhile (a flush, a delete) keeps its memory until given back.
+        """
+        if not self.lends:
+            return Borrowed.nothing()
+        self.expire()
+        top = self.tiers[0]
+        assert isinstance(top, MemoryTier)
+        keys = self.reusable_keys(namespace, tokens)[:stop]
+        slots: list[int] = []
+        tiers: list[str] = []
+        loan = _Loan(self._lock, top, slots)
+        try:
+            self._lend(top, keys, tokens, start, slots, tiers)
+        except BaseException:
+            loan.give_back()
+            raise
+        runs: list[torch.Tensor] = []
+        first = 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                runs.append(top.span(slots[first], i - first))
+                first = i
+        return Borrowed(tuple(runs), tuple(tiers), loan.give_back)
+
+    def _lend(
+        self,
+        top: MemoryTier,
+        keys: Sequence[BlockKey],
+        tokens: Sequence[int],
+        start: int,
+        slots: list[int],
+        tiers: list[str],
+    ) -> None:
+        """Borrow blocks `start` on of `keys` from the top tier, promoting those below, into `slots` and `tiers`, up to
+        the first it cannot lend."""
+        size = self.layout.block_size
+        scratch: torch.Tensor | None = None
+        for index in range(start, len(keys)):
+            ids = tokens[index * size : (index + 1) * size]
+            with self._lock:
+                slot = top.borrow(keys[index], ids)
+            if slot is not None:
+                top.counters.add("hits")
+                tiers.append(top.name)
+            else:
+                if scratch is None:
+                    scratch = torch.empty(self.layout.shape, dtype=self.layout.dtype, device=self.device)
+                found = self._get(keys[index], ids, scratch)  # promoted to the top tier when it has room
+                if found is None:
+                    break
+                with self._lock:
+                    slot = top.borrow(keys[index], ids)
+                if slot is None:
+                    break
+                tiers.append(found[1].name)
+            slots.append(slot)
+
     # -- inserts ------------------------------------------------------------------------------------------------
 
     def put(
@@ -732,6 +816,25 @@ class TieredStore:
                 f"namespace is for {namespace.block_shape} {namespace.dtype} blocks, "
                 f"but this store holds {self.layout.shape} {self.layout.dtype_name}"
             )
+
+
+class _Loan:
+    """Slots lent to running requests, given back once."""
+
+    def __init__(self, lock: threading.RLock, tier: MemoryTier, slots: list[int]) -> None:
+        self._lock = lock
+        self._tier = tier
+        self._slots: list[int] | None = slots
+
+    def give_back(self) -> None:
+        with self._lock:
+            slots, self._slots = self._slots, None
+            for slot in slots or ():
+                self._tier.give_back(slot)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _nearer(

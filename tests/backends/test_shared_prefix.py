@@ -1,7 +1,8 @@
 """Shared prefixes: running requests read one copy of a cached prefix in place, attended once per step.
 
-The reference is always the unshared path: the same prompt computed in one buffer of its own. Fills are done here by
-copying blocks a first generation handed back, as the engine's fill copies them from the store.
+The reference is always the unshared path: the same prompt computed in one buffer of its own. Fills here lend views of
+one tensor holding the blocks a first generation handed back, as the engine's fill lends views of the store's top
+tier (`tests/proxy/test_engine.py` runs that whole path).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ async def start_shared(
     start = backend.start_prefix(IDS[: len(blocks)], forks)
     if start is not None and start.fill is not None:
         fill = start.fill
-        fill.kv.copy_(torch.cat(list(blocks[fill.first_block : fill.blocks]), dim=3))
-        start.filled(["host"] * (fill.blocks - fill.first_block))
+        kv = torch.cat(list(blocks[fill.first_block : fill.blocks]), dim=3)  # kv: [layers, 2, kv_heads, n, head_dim]
+        start.filled(kv.split(3 * BLOCK, dim=3), ["host"] * (fill.blocks - fill.first_block), lambda: None)
     reservation = await backend.reserve(len(prompt), max_tokens, start=start)
     await reservation.settle()
     return reservation
@@ -183,7 +184,7 @@ async def test_a_prefix_extending_a_shared_one_is_shared_too_and_holds_its_paren
     root = await start_shared(backend, prompt, blocks[:2])
     # Past a shared prefix a new one ends where cached prompts fork (after block 5), not at the last cached block.
     deeper = await start_shared(backend, prompt, blocks[:7], forks=(1, 6))  # blocks 2..5 become a prefix, after 0..1
-    assert (root.offset, deeper.offset, len(deeper.shared)) == (16, 48, 2)
+    assert (root.offset, deeper.offset, len(deeper.shared)) == (16, 48, 3)  # lent as runs of at most 3 blocks
     assert deeper.shared[0] is root.shared[0]
     beside = await start_shared(backend, prompt, blocks[:7])  # one block past `deeper` is too short for a prefix
     assert beside.offset == 48 and all(a is b for a, b in zip(beside.shared, deeper.shared, strict=True))
@@ -195,11 +196,11 @@ async def test_a_prefix_extending_a_shared_one_is_shared_too_and_holds_its_paren
     assert tokens == expected
     assert backend.admission().shared_prefixes == 0 and backend.admission().bytes_in_use == 0
     whole = await start_shared(backend, prompt, blocks[:7])  # with no fork, a prefix takes every cached block
-    assert (whole.offset, len(whole.shared)) == (56, 1)
+    assert (whole.offset, len(whole.shared)) == (56, 3)
     whole.release()
 
 
-async def test_admission_counts_a_shared_prefix_once(make_backend: BackendFactory) -> None:
+async def test_admission_counts_readers_of_a_shared_prefix_for_their_own_tokens(make_backend: BackendFactory) -> None:
     backend = shared_backend(make_backend)
     prompt = make_prompt(300)
     blocks = await prefix_blocks(backend, prompt)
@@ -207,9 +208,9 @@ async def test_admission_counts_a_shared_prefix_once(make_backend: BackendFactor
     stats = backend.admission()
     own = readers[0].nbytes
     assert all(reader.offset == 256 and reader.nbytes == own for reader in readers)
-    assert stats.shared_prefixes == 1
-    assert stats.bytes_in_use == stats.shared_bytes + 3 * own
-    assert stats.shared_bytes == readers[0].shared[0].numel() * 4  # one copy of the prefix, float32
+    assert own == backend._buffers.nbytes_for(300 + GREEDY.max_tokens - 256)  # type: ignore[union-attr]
+    assert (stats.shared_prefixes, stats.bytes_in_use) == (1, 3 * own)  # the prefix is the store's memory
+    assert stats.shared_bytes == sum(run.numel() for run in readers[0].shared) * 4  # one copy of it, float32
     for reader in readers:
         reader.release()
     assert backend.admission().bytes_in_use == 0
@@ -240,8 +241,11 @@ async def test_a_failed_fill_leaves_the_request_and_those_waiting_for_it_on_thei
     assert waiter is not None and waiter.fill is None  # it waits for the fill under way
     reservations = [await backend.reserve(len(prompt), GREEDY.max_tokens, start=s) for s in (filler, waiter)]
     settling = [asyncio.create_task(reservation.settle()) for reservation in reservations]
-    filler.filled(["host"] * 3)  # the fourth block was gone from the store: the prefix is not whole
+    loans = []
+    lent = torch.cat(blocks[:3], dim=3)
+    filler.filled([lent], ["host"] * 3, lambda: loans.append("given back"))  # the fourth block could not be lent
     assert [await task for task in settling] == [0, 0]
+    assert loans == ["given back"]  # at once: nobody reads what was lent
     for reservation in reservations:
         # Each fetches its prefix into its own buffer, as before sharing (counted for all of it: none is left over).
         assert reservation.offset == 0 and reservation.buffer is not None
@@ -252,17 +256,25 @@ async def test_a_failed_fill_leaves_the_request_and_those_waiting_for_it_on_thei
     assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
 
 
-async def test_a_prefix_is_made_only_when_its_memory_fits_the_budget(make_backend: BackendFactory) -> None:
-    geometry = make_backend().geometry
-    token_bytes = geometry.block_nbytes // geometry.block_size
-    backend = shared_backend(make_backend, kv_memory_budget=300 * token_bytes)  # room for 256 tokens, not 512
-    assert backend.start_prefix(IDS[:40]) is None  # 320 tokens round up to 512: the request copies them itself
-    start = backend.start_prefix(IDS[:30])  # 240 tokens round up to 256
-    assert start is not None and start.fill is not None
-    assert backend.admission().bytes_in_use == 256 * token_bytes
-    start.filled(())
-    start.release()
-    assert backend.admission().bytes_in_use == 0 and backend.admission().shared_prefixes == 0
+async def test_the_loan_ends_when_the_last_reader_of_a_prefix_and_of_those_extending_it_ends(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, _ = await a_prompt_and_its_blocks(make_backend, 60)
+    loans: list[str] = []
+    root_start = backend.start_prefix(IDS[:2])
+    assert root_start is not None and root_start.fill is not None
+    root_start.filled([torch.cat(blocks[:2], dim=3)], ["host"] * 2, lambda: loans.append("root"))
+    root = await backend.reserve(len(prompt), GREEDY.max_tokens, start=root_start)
+    deeper_start = backend.start_prefix(IDS[:6])
+    assert deeper_start is not None and deeper_start.fill is not None
+    deeper_start.filled([torch.cat(blocks[2:6], dim=3)], ["host"] * 4, lambda: loans.append("deeper"))
+    deeper = await backend.reserve(len(prompt), GREEDY.max_tokens, start=deeper_start)
+    assert [await root.settle(), await deeper.settle()] == [16, 48]
+    root.release()
+    assert loans == []  # the deeper prefix reads the root
+    deeper.release()
+    assert loans == ["deeper", "root"]
+    assert backend.admission().shared_prefixes == 0 and backend.admission().shared_bytes == 0
 
 
 async def test_a_request_failing_mid_step_drops_its_reference(make_backend: BackendFactory) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -10,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, PrefixStart, SamplingParams, StepRecord
+from prefixgate.backends.kv_cache import geometry_from_config
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings
-from prefixgate.store import Block, BlockLayout, StoreConfig, TierConfig, TieredStore, shared_prefix
+from prefixgate.store import Block, BlockKey, BlockLayout, StoreConfig, TierConfig, TieredStore, shared_prefix
+from prefixgate.store.memory_tier import MemoryTier
 from tests.proxy.conftest import HANG_GUARD_SECONDS, HeldSteps, on_event_loop, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -344,20 +348,32 @@ async def test_a_flush_while_requests_read_a_shared_prefix_changes_no_answer(
     tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel
 ) -> None:
     steps = HeldSteps()
-    engine = tiny_engine(load_settings(store=tmp_path / "store"), tokenizer, llama, steps, min_shared_tokens=16)
+    block = geometry_from_config(llama.config, llama.dtype, 8)
+    settings = load_settings(store=tmp_path / "store", host_budget=64 * block.block_nbytes)
+    engine = tiny_engine(settings, tokenizer, llama, steps, min_shared_tokens=16)
     questions = ["What is the capital of France?", "What is the capital of Italy?"]
     try:
         expected = [await engine.complete(chat(question)) for question in questions]  # computed, then cached
         steps.hold_kind = "decode"  # both are decoding from the shared prefix when the model thread stops
         together = asyncio.gather(*(engine.complete(chat(question)) for question in questions))
         await steps.held()
-        assert engine.backend.admission().shared_prefixes >= 1
+        host = engine.store.tiers[0]
+        assert isinstance(host, MemoryTier) and host.name == "host"
+        lent = host.lent()
+        assert engine.backend.admission().shared_prefixes >= 1 and lent > 0  # read in place, where the tier holds it
         assert await asyncio.to_thread(engine.store.flush) > 0  # every block the prefix was read from is gone
+        # Other blocks fill the tier meanwhile: none takes the memory the prefix is read from.
+        junk = [
+            Block(BlockKey(os.urandom(16)), tuple(range(8)), torch.randn(block.block_shape), tenant="junk")
+            for _ in range(64)
+        ]
+        await asyncio.to_thread(engine.store.put, junk)
+        assert len(host) == 64 - lent
         steps.released.set()
         answers = await together
         assert [answer.text for answer in answers] == [answer.text for answer in expected]
         assert all(answer.usage.cached_tokens > 0 for answer in answers)
-        assert engine.backend.admission().shared_prefixes == 0
+        assert engine.backend.admission().shared_prefixes == 0 and host.lent() == 0
     finally:
         steps.released.set()
         await engine.close()

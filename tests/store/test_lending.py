@@ -1,0 +1,110 @@
+"""Lending blocks in place: running requests read a prefix where the top tier holds it, and it stays while they do."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgate.store import TieredStore
+from prefixgate.store.memory_tier import MemoryTier
+from tests.store.conftest import BLOCK, StoreFactory, config, make_blocks, make_namespace
+
+NS = make_namespace()
+PROMPT = list(range(100, 125))  # 25 tokens: the 6 whole blocks of 4 before its last token may be lent
+OTHER = list(range(500, 533))  # 8 whole blocks of another prompt
+
+
+def host(store: TieredStore) -> MemoryTier:
+    tier = store.tiers[0]
+    assert isinstance(tier, MemoryTier) and tier.name == "host"
+    return tier
+
+
+def expected(store: TieredStore, tokens: list[int], start: int, stop: int) -> torch.Tensor:
+    return torch.cat([block.kv for block in make_blocks(store, tokens)[start:stop]], dim=3)
+
+
+def test_a_prefix_stored_in_order_is_lent_as_one_view_of_the_tier(open_store: StoreFactory) -> None:
+    store = open_store()
+    assert store.lends
+    store.put(make_blocks(store, PROMPT))
+    borrowed = store.borrow(NS, PROMPT, start=1, stop=6)
+    assert borrowed.tiers == ("host",) * 5 and len(borrowed.kv) == 1
+    (view,) = borrowed.kv
+    assert torch.equal(view, expected(store, PROMPT, 1, 6))
+    pool = host(store).span(0, 1).untyped_storage()
+    assert view.untyped_storage().data_ptr() == pool.data_ptr()  # the tier's memory, not a copy
+    assert host(store).lent() == 5
+    borrowed.give_back()
+    borrowed.give_back()  # once only
+    assert host(store).lent() == 0
+
+
+def test_blocks_apart_in_the_tier_are_lent_as_runs_in_order(open_store: StoreFactory) -> None:
+    store = open_store(config(host=16 * BLOCK))
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks[:2])
+    store.put(make_blocks(store, OTHER)[:3])  # after them: the rest of PROMPT cannot follow its parent
+    store.put(blocks[2:])
+    borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
+    assert [view.shape[3] for view in borrowed.kv] == [8, 16]
+    assert torch.equal(torch.cat(borrowed.kv, dim=3), expected(store, PROMPT, 0, 6))
+    borrowed.give_back()
+
+
+def test_lent_blocks_are_not_evicted_until_given_back(open_store: StoreFactory) -> None:
+    store = open_store()  # a host tier of 8 blocks, a disk tier below
+    store.put(make_blocks(store, PROMPT))
+    borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
+    store.pin(make_blocks(store, PROMPT)[0].key, False)  # unpinning a lent block leaves it lent
+    store.put(make_blocks(store, OTHER))
+    assert len(host(store)) == 8  # 6 lent, 2 of the other prompt: the rest of it went to disk only
+    assert store.lookup(NS, PROMPT).tiers == ("host",) * 6
+    assert torch.equal(borrowed.kv[0], expected(store, PROMPT, 0, 6))
+    borrowed.give_back()
+    store.put(make_blocks(store, OTHER))  # now the prompt's blocks make room, demoted to disk
+    assert store.lookup(NS, PROMPT).tiers.count("disk") >= 6 - 2
+
+
+def test_a_flush_while_blocks_are_lent_keeps_their_memory_until_given_back(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
+    assert store.flush() == 6 + 6  # host and disk
+    assert len(host(store)) == 0 and store.lookup(NS, PROMPT).tiers == ()
+    store.put(make_blocks(store, OTHER))
+    assert len(host(store)) == 2  # 6 of its 8 slots are still read
+    assert torch.equal(borrowed.kv[0], expected(store, PROMPT, 0, 6))
+    borrowed.give_back()
+    store.put(make_blocks(store, OTHER))
+    assert len(host(store)) == 8  # the slots came back
+
+
+def test_blocks_below_the_top_tier_are_promoted_to_be_lent(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.put(make_blocks(store, PROMPT))
+    store.flush("host")
+    borrowed = store.borrow(NS, PROMPT, start=2, stop=6)
+    assert borrowed.tiers == ("disk",) * 4
+    assert store.lookup(NS, PROMPT).tiers == ("disk", "disk") + ("host",) * 4
+    assert torch.equal(torch.cat(borrowed.kv, dim=3), expected(store, PROMPT, 2, 6))
+    borrowed.give_back()
+
+
+def test_a_loan_stops_at_the_first_block_it_cannot_lend(open_store: StoreFactory) -> None:
+    store = open_store(config(host=4 * BLOCK))
+    others = store.borrow(NS, OTHER, start=0, stop=4)
+    assert others.tiers == ()  # nothing stored yet
+    store.put(make_blocks(store, OTHER)[:4])
+    others = store.borrow(NS, OTHER, start=0, stop=4)  # the whole host tier, lent
+    store.put(make_blocks(store, PROMPT))  # on disk only: the host tier has no room
+    borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
+    assert borrowed.tiers == () and borrowed.kv == ()
+    others.give_back()
+    assert store.borrow(NS, PROMPT, start=0, stop=6).tiers == ("disk",) * 4  # the tier's 4 slots: no more
+
+
+def test_a_store_without_memory_on_the_models_device_lends_nothing(open_store: StoreFactory) -> None:
+    store = open_store(config(host=0))
+    store.put(make_blocks(store, PROMPT))
+    assert not store.lends
+    assert store.borrow(NS, PROMPT, start=0, stop=6).tiers == ()

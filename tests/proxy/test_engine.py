@@ -327,6 +327,8 @@ async def test_warm_arrivals_at_once_read_one_copy_of_their_prefix_filled_once_a
         await steps.held()
         await asyncio.wait_for(all_loaded.wait(), HANG_GUARD_SECONDS)
         assert engine.backend.admission().shared_prefixes == len(fills)
+        host = engine.store.tiers[0]
+        assert isinstance(host, MemoryTier) and host.lent() == sum(end - start for start, end in fills)
         steps.released.set()
         answers = await together
         assert [answer.text for answer in answers] == [answer.text for answer in alone]
@@ -338,7 +340,7 @@ async def test_warm_arrivals_at_once_read_one_copy_of_their_prefix_filled_once_a
         # The rest of each prompt, its question's blocks and the last one's leading tokens, came from the store.
         assert [answer.usage.cached_tokens for answer in answers] == [a.usage.prompt_tokens - 1 for a in alone]
         stats = engine.backend.admission()
-        assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
+        assert (stats.shared_prefixes, stats.bytes_in_use, stats.running, host.lent()) == (0, 0, 0, 0)
     finally:
         steps.released.set()
         await engine.close()

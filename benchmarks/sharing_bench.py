@@ -1,6 +1,6 @@
 """Many streams on one long cached prefix, through HTTP on SmolLM2: what sharing the prefix gives.
 
-Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (about ten minutes; `--prefixes 4096` and `--streams 8`
+Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (about eight minutes; `--prefixes 4096` and `--streams 8`
 make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory, caches a system prompt of each
 length with one request, then prints:
 

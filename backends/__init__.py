@@ -9,8 +9,8 @@ Exports:
   every admitted request in each step, one forward pass for all (decode tokens and prefill chunks); close it with
   `aclose()` or `close()`.
 - `KVReservation`, `AdmissionStats`: a request's admitted share of KV memory, and the admission counts.
-- `PrefixStart`: a request's start from one shared copy of its cached prefix (`HFBackend.start_prefix`), which
-  running requests read in place and attend to once per step.
+- `PrefixStart`: a request's start from one shared copy of its cached prefix (`HFBackend.start_prefix`), the
+  store's own, which running requests read in place and attend to once per step.
 - `StepRecord`, `Work`, `StepListener`: what the model thread reports after each step (`on_step=`), for tests and
   benchmarks.
 - `resolve_model`, `ResolvedModel`, `default_model_cache_dir`, `EMBEDDED_MODEL`: model names and paths to folders.

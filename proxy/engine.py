@@ -270,8 +270,8 @@ class Engine:
         calls = ToolCallStream(tool_format) if request.tools and request.tool_choice != "none" else None
         prepared = await self.prepare(request)
         # The context check first, so nothing is done for a request that cannot run; then the cached prefix is found,
-        # read from a shared copy or fetched into one, and the request admitted for the rest of its KV memory, into
-        # which the rest of the cached prefix is fetched.
+        # its shared part read in place where the store's top tier holds it (lent for this request when new), and
+        # the request admitted for the rest of its KV memory, into which the rest of the cached prefix is fetched.
         check_context(self.backend.context_length, len(prepared.token_ids), request.params.max_tokens)
         held, owned = await self._claim(prepared)
         reservation: KVReservation | None = None

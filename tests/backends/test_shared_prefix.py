@@ -164,6 +164,28 @@ def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(sh
     torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("runs", [1, 3, attention_module._MOST_RUNS + 4])  # the last: copied together each layer
+def test_a_prefix_lent_in_runs_is_attended_as_one(runs: int) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, shared, own = 4, 2, 16, 60, 5
+    prefix = torch.randn(1, 2, kv_heads, shared, head_dim)  # prefix: [layers, 2, kv_heads, positions, head_dim]
+    pieces = tuple(prefix.tensor_split(runs, dim=3))
+    buffers = [torch.randn(1, 2, kv_heads, own + 1, head_dim) for _ in range(2)]  # each reader's own positions
+    segments = tuple(attention_module.Segment(kv, shared + own, 1, shared, pieces) for kv in buffers)
+    batch = attention_module.PackedBatch.of(segments)
+    assert len(batch.shared) == 1 and len(batch.shared[0].kv) == runs  # one reader set: its runs go together
+    query = torch.randn(1, heads, 2, head_dim)
+    new = torch.stack([kv[0, :, :, own] for kv in buffers], dim=2).unsqueeze(1)  # [2, 1, kv_heads, 2, head_dim]
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25, packed_batch=batch)
+    for index, kv in enumerate(buffers):
+        keys = torch.cat((prefix[0, 0], kv[0, 0]), dim=1).unsqueeze(0)  # keys: [1, kv_heads, positions, head_dim]
+        values = torch.cat((prefix[0, 1], kv[0, 1]), dim=1).unsqueeze(0)
+        expected, _ = attention_module._attend_exactly(query[:, :, index : index + 1], keys, values, None, 0.25)
+        torch.testing.assert_close(out[:, index : index + 1], expected.transpose(1, 2), atol=1e-5, rtol=0)
+
+
 async def test_requests_reading_one_shared_prefix_give_the_tokens_they_give_alone(
     make_backend: BackendFactory,
 ) -> None:

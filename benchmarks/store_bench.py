@@ -1,12 +1,19 @@
-"""Measure the block store: key hashing, host-tier put/get and LMDB get, each beside its plain baseline.
+"""Measure the block store: key hashing, host-tier put/get and LMDB get, each beside its plain baseline, and the
+pieces a shared prefix lies in under churn.
 
 Run by hand: `.venv/bin/python benchmarks/store_bench.py`. Blocks have SmolLM2-135M's geometry in float32
-(30 layers, 3 KV heads, head_dim 64, 64 tokens a block: 2.8 MiB each).
+(30 layers, 3 KV heads, head_dim 64, 64 tokens a block: 2.8 MiB each). The churn measure runs a full host tier of 400
+small blocks: requests on 30 prefixes of 40 blocks (a few of them hot), each storing its prefix if it was evicted and
+2 blocks of its own; every tenth request, once the tier is warm, its prefix is lent (`TieredStore.borrow`, as a shared
+prefix is) and given back. It prints the pieces (runs of consecutive slots) the prefix lay in before the loan and when
+lent.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import statistics
 import tempfile
 import time
@@ -16,7 +23,7 @@ from pathlib import Path
 import torch
 
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockLayout, Namespace, chain_keys
+from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier
 
@@ -131,6 +138,51 @@ def bench_lmdb(rows: list[tuple[str, str, str, str]], count: int) -> None:
         tier.close()
 
 
+def bench_churn(rows: list[tuple[str, str, str, str]]) -> None:
+    layout = BlockLayout(shape=(2, 2, 1, 4, 8), dtype=torch.float32)
+    namespace = Namespace("churn-model", "churn-tokenizer", "float32", layout.shape)
+    store = TieredStore.open(None, layout, StoreConfig(TierConfig(0), TierConfig(400 * layout.nbytes), TierConfig(0)))
+    seed = store.seed(namespace)
+    size = layout.block_size
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1000, 50000) for _ in range(40 * size)] for _ in range(30)]
+
+    def blocks(tokens: list[int], start: int) -> list[Block]:
+        keys = chain_keys(seed, tokens, size)
+        return [
+            Block(
+                keys[i], tuple(tokens[i * size : (i + 1) * size]), torch.zeros(layout.shape), keys[i - 1] if i else None
+            )
+            for i in range(start, len(keys))
+        ]
+
+    def pieces(tokens: list[int]) -> int:
+        slots = [store.tiers[0].peek(key) for key in chain_keys(seed, tokens[: 40 * size], size)]
+        pointers = [block.kv.data_ptr() for block in slots if block is not None]
+        step = size * layout.shape[4] * layout.dtype.itemsize  # one slot further along the pool
+        return 1 + sum(after != before + step for before, after in itertools.pairwise(pointers))
+
+    before, lent = [], []
+    for request in range(6000):
+        prompt = prefixes[min(int(rng.paretovariate(1.0)) - 1, 29)] + [rng.randrange(1000, 50000) for _ in range(9)]
+        held = store.held(namespace, prompt).blocks
+        store.put(blocks(prompt, min(held, 40)))
+        if request >= 2000 and request % 10 == 0:
+            before.append(pieces(prompt))
+            loan = store.borrow(namespace, prompt, start=0, stop=40)
+            lent.append(len(loan.kv))
+            loan.give_back()
+    store.close()
+    rows.append(
+        (
+            "a 40-block prefix lent under churn",
+            f"pieces lent: median {statistics.median(lent):.0f}, most {max(lent)}",
+            f"pieces stored: median {statistics.median(before):.0f}, most {max(before)}",
+            f"{len(lent)} loans",
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=128, help="blocks per measurement (2.8 MiB each)")
@@ -140,6 +192,7 @@ def main() -> None:
     bench_hashing(rows)
     bench_host(rows, args.blocks)
     bench_lmdb(rows, args.blocks)
+    bench_churn(rows)
     print(f"block: {LAYOUT.shape} {LAYOUT.dtype}, {LAYOUT.nbytes / 2**20:.2f} MiB; {args.blocks} blocks per run")
     header = ("measure", "prefixgate", "baseline", "ratio")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]

@@ -4,8 +4,10 @@ The pool is laid out token-major per layer, `[layers, 2, kv_heads, slots * block
 positions `[i * block_size, (i + 1) * block_size)` of every layer's K and V. A run of consecutive slots is then one
 view with the shape of a KV cache, and a prefix whose blocks lie in consecutive slots is read by attention in place,
 as it lies. A block goes into the slot after its parent's when that one is free, so a prompt's blocks, stored in
-order, usually form one run. A borrowed slot (`borrow`) is read by running requests: it is never evicted, and when
-its block is removed (a flush, a delete, expiry) the slot stays out of use until the last reader gives it back.
+order, form one run while the tier has room; a prefix stored in pieces (into the slots evictions free one by one) is
+gathered into one run before it is first lent (`gather`). A borrowed slot (`borrow`) is read by running requests: it
+is never evicted, and when its block is removed (a flush, a delete, expiry) the slot stays out of use until the last
+reader gives it back.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class MemoryTier(Tier):
         self._free = list(range(slots))  # ascending
         self._next = 0  # where the next block without a free slot after its parent goes: the first free one from here
         self._slots: Held[_Slot] = Held()
+        self._holders: dict[int, BlockKey] = {}  # the block in each occupied slot
         self._readers: dict[int, _Readers] = {}  # borrowed slots by index
 
     def __len__(self) -> int:
@@ -132,6 +135,7 @@ class MemoryTier(Tier):
             view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
         self._slots.set(block.key, block.parent, _Slot(index, stored, keep))
+        self._holders[index] = block.key
         self._track(block.key, block.created, keep)
         return True
 
@@ -139,6 +143,7 @@ class MemoryTier(Tier):
         slot = self._slots.pop(key)
         if slot is None:
             return False
+        del self._holders[slot.index]
         readers = self._readers.get(slot.index)
         if readers is not None:
             readers.removed = True
@@ -186,6 +191,27 @@ class MemoryTier(Tier):
         slot = self._slots.get(readers.key)
         if slot is not None and slot.index == index and not slot.keep.pinned:
             self.policy.unpin(readers.key)
+
+    def gather(self, keys: Sequence[BlockKey]) -> bool:
+        """Move the blocks `keys` (a prefix's, in order) into consecutive slots, from where the first lies (or the
+        last window that fits), unless they or the blocks in those slots are lent; the blocks there take the slots
+        they leave. Return whether they lie in one run now. Costs up to three block copies per block out of place.
+        """
+        held = [self._slots.get(key) for key in keys]
+        slots = [slot for slot in held if slot is not None]
+        if len(slots) < len(held) or not slots:
+            return False
+        first = min(slots[0].index, self.capacity_blocks - len(slots))
+        if all(slot.index == first + i for i, slot in enumerate(slots)):
+            return True
+        involved = {slot.index for slot in slots} | set(range(first, first + len(slots)))
+        if any(index in self._readers for index in involved):
+            return False
+        spare = torch.empty_like(self.span(0, 1))  # spare: [layers, 2, kv_heads, block_size, head_dim]
+        for offset, slot in enumerate(slots):
+            if slot.index != first + offset:
+                self._swap(slot.index, first + offset, spare)
+        return True
 
     def lent(self) -> int:
         """Return how many slots running requests read now."""
@@ -241,6 +267,24 @@ class MemoryTier(Tier):
             return None
         self.policy.touch(key)
         return slot
+
+    def _swap(self, here: int, there: int, spare: torch.Tensor) -> None:
+        """Exchange what slots `here` and `there` hold (a block, or nothing), through `spare`."""
+        held = {index: self._holders.pop(index, None) for index in (here, there)}
+        spare.copy_(self.span(there, 1))
+        self.span(there, 1).copy_(self.span(here, 1))
+        self.span(here, 1).copy_(spare)
+        for old, new in ((here, there), (there, here)):
+            key = held[old]
+            if key is None:  # nothing was there: the slot it goes to is the free one now
+                self._free.remove(old)
+                bisect.insort(self._free, new)
+                continue
+            slot = self._slots.get(key)
+            assert slot is not None
+            slot.index = new
+            slot.block = replace(slot.block, kv=self.span(new, 1))
+            self._holders[new] = key
 
     def _allocate(self, parent: BlockKey | None) -> int:
         """Take a free slot: the one after the parent's when free, so a prefix stays one run, else the first free

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -498,7 +499,7 @@ class TieredStore:
         tiers: list[str],
     ) -> None:
         """Borrow blocks `start` on of `keys` from the top tier, promoting those below, into `slots` and `tiers`, up to
-        the first it cannot lend."""
+        the first it cannot lend; then gather them into one run of slots where the tier can."""
         size = self.layout.block_size
         scratch: torch.Tensor | None = None
         for index in range(start, len(keys)):
@@ -520,6 +521,21 @@ class TieredStore:
                     break
                 tiers.append(found[1].name)
             slots.append(slot)
+        lent = keys[start : start + len(slots)]
+        with self._lock:
+            if all(after == before + 1 for before, after in itertools.pairwise(slots)):
+                return
+            if not all(top.contains(key) for key in lent):
+                return  # one was removed meanwhile: its slot waits for this loan, and does not move
+            # Given back only to be gathered, and lent again: nothing else reaches the tier while the lock is held.
+            for slot in slots:
+                top.give_back(slot)
+            top.gather(lent)
+            for place, key in enumerate(lent):
+                index = start + place
+                again = top.borrow(key, tokens[index * size : (index + 1) * size])
+                assert again is not None, "a block held a moment ago under the lock is held still"
+                slots[place] = again
 
     # -- inserts ------------------------------------------------------------------------------------------------
 

@@ -39,16 +39,37 @@ def test_a_prefix_stored_in_order_is_lent_as_one_view_of_the_tier(open_store: St
     assert host(store).lent() == 0
 
 
-def test_blocks_apart_in_the_tier_are_lent_as_runs_in_order(open_store: StoreFactory) -> None:
-    store = open_store(config(host=16 * BLOCK))
+def stored_apart(store: TieredStore) -> None:
+    """Store PROMPT's first 2 blocks, 3 of OTHER after them, then the rest of PROMPT after those."""
     blocks = make_blocks(store, PROMPT)
     store.put(blocks[:2])
-    store.put(make_blocks(store, OTHER)[:3])  # after them: the rest of PROMPT cannot follow its parent
+    store.put(make_blocks(store, OTHER)[:3])
     store.put(blocks[2:])
+
+
+def test_blocks_stored_apart_are_gathered_into_one_run_before_they_are_lent(open_store: StoreFactory) -> None:
+    store = open_store(config(host=16 * BLOCK))
+    stored_apart(store)
+    borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
+    assert len(borrowed.kv) == 1 and borrowed.tiers == ("host",) * 6
+    assert torch.equal(borrowed.kv[0], expected(store, PROMPT, 0, 6))
+    assert store.fetch(NS, OTHER, stop=3).tiers == ("host",) * 3  # the blocks moved aside are whole
+    assert all(
+        torch.equal(block.kv, made.kv)
+        for block, made in zip(store.fetch(NS, OTHER, stop=3).blocks, make_blocks(store, OTHER), strict=False)
+    )
+    borrowed.give_back()
+
+
+def test_blocks_apart_around_lent_ones_are_lent_as_runs_in_order(open_store: StoreFactory) -> None:
+    store = open_store(config(host=16 * BLOCK))
+    stored_apart(store)
+    others = store.borrow(NS, OTHER, start=0, stop=3)  # read in place: they may not move
     borrowed = store.borrow(NS, PROMPT, start=0, stop=6)
     assert [view.shape[3] for view in borrowed.kv] == [8, 16]
     assert torch.equal(torch.cat(borrowed.kv, dim=3), expected(store, PROMPT, 0, 6))
     borrowed.give_back()
+    others.give_back()
 
 
 def test_lent_blocks_are_not_evicted_until_given_back(open_store: StoreFactory) -> None:

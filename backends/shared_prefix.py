@@ -46,6 +46,7 @@ class SharedPrefix:
         self.filled: concurrent.futures.Future[bool] = concurrent.futures.Future()
         self.references = 0
         self.give_back: Callable[[], None] | None = None  # ends the store's loan of its blocks
+        self.nbytes = 0  # the bytes of its K and V, once filled
 
     @property
     def end(self) -> int:
@@ -162,7 +163,8 @@ class SharedPrefixes:
         with self._lock:
             if complete:
                 prefix.kv, prefix.tiers, prefix.give_back = tuple(kv), tuple(tiers), give_back
-                self._bytes += sum(run.numel() * run.element_size() for run in kv)
+                prefix.nbytes = sum(run.numel() * run.element_size() for run in kv)
+                self._bytes += prefix.nbytes
             elif self._by_key.get(prefix.key) is prefix:
                 del self._by_key[prefix.key]  # nobody new attaches to it; its readers go on without it
         prefix.filled.set_result(complete)
@@ -182,7 +184,7 @@ class SharedPrefixes:
                     del self._by_key[current.key]
                 freed.append(current)
                 self._live -= 1
-                self._bytes -= sum(run.numel() * run.element_size() for run in current.kv)
+                self._bytes -= current.nbytes
                 current = current.parent  # its reference on the parent goes with it
         for gone in freed:
             if gone.give_back is not None:

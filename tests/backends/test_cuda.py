@@ -1,5 +1,5 @@
 """On a GPU: packed steps batch requests on CUDA, start them from cached blocks and from one shared prefix, and the
-engine serves from a device tier. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where
+engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where
 there is one."""
 
 from __future__ import annotations
@@ -101,3 +101,33 @@ async def test_the_engine_serves_a_repeated_prompt_from_the_device_tier_on_the_g
     assert first.usage.cached_tokens == 0 and second.usage.cached_tokens > 0
     assert second.usage.cached_tokens_by_tier.get("device", 0) == second.usage.cached_tokens
     assert second.text == first.text
+
+
+async def test_the_engine_on_the_gpu_lends_one_shared_prefix_in_place_from_the_device_tier(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, gpu_llama: PreTrainedModel, make_backend: BackendFactory
+) -> None:
+    lent: list[int] = []  # the device tier's lent slots after each step
+    backend = make_backend(gpu_llama, min_shared_tokens=16, on_step=lambda _: lent.append(store.tiers[0].lent()))
+    geometry = backend.geometry
+    layout = BlockLayout(geometry.block_shape, geometry.dtype)
+    config = StoreConfig(TierConfig(64 * layout.nbytes), TierConfig(64 * layout.nbytes), TierConfig(0))
+    store = TieredStore.open(None, layout, config, device=GPU)
+    engine = Engine(backend, store, layout=load_settings().layout)
+    system = {"role": "system", "content": "You are terse and answer in one word. " * 4}
+    requests = [
+        PromptRequest(
+            params=SamplingParams(max_tokens=6, temperature=0.0),
+            messages=[system, {"role": "user", "content": f"Question {index}: what is the capital of France?"}],
+        )
+        for index in range(3)
+    ]
+    try:
+        assert store.lends and store.tiers[0].name == "device"
+        alone = [await engine.complete(request) for request in requests]  # each caches its prompt
+        lent.clear()
+        together = await asyncio.gather(*(engine.complete(request) for request in requests))
+        assert [answer.text for answer in together] == [answer.text for answer in alone]
+        assert all(answer.usage.cached_tokens_by_tier.get("device", 0) > 0 for answer in together)
+        assert max(lent) > 0 and store.tiers[0].lent() == 0  # read in place while they ran, given back at the end
+    finally:
+        await engine.close()

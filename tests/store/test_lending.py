@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from prefixgate.store import TieredStore
+from prefixgate.store import Borrowed, TieredStore
 from prefixgate.store.memory_tier import MemoryTier
 from tests.store.conftest import BLOCK, StoreFactory, config, make_blocks, make_namespace
 
@@ -129,3 +131,42 @@ def test_a_store_without_memory_on_the_models_device_lends_nothing(open_store: S
     store.put(make_blocks(store, PROMPT))
     assert not store.lends
     assert store.borrow(NS, PROMPT, start=0, stop=6).tiers == ()
+
+
+def test_random_loans_puts_flushes_and_deletes_never_mix_up_blocks(open_store: StoreFactory) -> None:
+    store = open_store(config(host=12 * BLOCK))
+    tier = host(store)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 9000) for _ in range(4 * rng.randrange(2, 9) + 1)] for _ in range(8)]
+    truth = {block.key: block.kv for tokens in prompts for block in make_blocks(store, tokens)}
+    loans: list[tuple[list[int], Borrowed]] = []
+    for _ in range(1000):
+        tokens = rng.choice(prompts)
+        action = rng.random()
+        if action < 0.4:
+            blocks = make_blocks(store, tokens)
+            store.put(blocks[rng.randrange(len(blocks)) :] if rng.random() < 0.3 else blocks)
+        elif action < 0.6:
+            blocks = (len(tokens) - 1) // 4
+            loans.append((tokens, store.borrow(NS, tokens, start=0, stop=rng.randrange(1, blocks + 1))))
+        elif action < 0.9 and loans:
+            loans.pop(rng.randrange(len(loans)))[1].give_back()
+        elif action < 0.95:
+            store.flush("host")
+        else:
+            store.delete(make_blocks(store, tokens)[0].key, extensions=True)
+        # Every loan still reads its blocks, whatever moved, was evicted or was removed since.
+        for lent_tokens, loan in loans:
+            if loan.tiers:
+                assert torch.equal(torch.cat(loan.kv, dim=3), expected(store, lent_tokens, 0, len(loan.tiers)))
+        # Every block the tier holds is the block of its key.
+        held = tier.keys()
+        for key in held:
+            block = tier.peek(key)
+            assert block is not None and torch.equal(block.kv, truth[key])
+    for _, loan in loans:
+        loan.give_back()
+    assert tier.lent() == 0
+    store.put(make_blocks(store, OTHER)[:8])
+    store.put(make_blocks(store, prompts[0]))
+    assert len(tier) == 12  # every slot came back

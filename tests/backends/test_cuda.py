@@ -1,6 +1,6 @@
 """On a GPU: packed steps batch requests on CUDA, start them from cached blocks and from one shared prefix, and the
-engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA; `benchmarks/gpu_check.sh` runs them (and the store's) where
-there is one."""
+engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA;
+`benchmarks/gpu_check.sh` runs them (and the store's) where there is one."""
 
 from __future__ import annotations
 

@@ -192,26 +192,23 @@ class MemoryTier(Tier):
         if slot is not None and slot.index == index and not slot.keep.pinned:
             self.policy.unpin(readers.key)
 
-    def gather(self, keys: Sequence[BlockKey]) -> bool:
+    def gather(self, keys: Sequence[BlockKey]) -> None:
         """Move the blocks `keys` (a prefix's, in order) into consecutive slots, from where the first lies (or the
-        last window that fits), unless they or the blocks in those slots are lent; the blocks there take the slots
-        they leave. Return whether they lie in one run now. Costs up to three block copies per block out of place.
+        last window that fits), unless one of them is not held, or they or the blocks in those slots are lent; the
+        blocks there take the slots they leave. Costs up to three block copies per block out of place.
         """
-        held = [self._slots.get(key) for key in keys]
-        slots = [slot for slot in held if slot is not None]
-        if len(slots) < len(held) or not slots:
-            return False
-        first = min(slots[0].index, self.capacity_blocks - len(slots))
-        if all(slot.index == first + i for i, slot in enumerate(slots)):
-            return True
-        involved = {slot.index for slot in slots} | set(range(first, first + len(slots)))
+        slots = [self._slots.get(key) for key in keys]
+        if not slots or any(slot is None for slot in slots):
+            return
+        held = [slot for slot in slots if slot is not None]
+        first = min(held[0].index, self.capacity_blocks - len(held))
+        involved = {slot.index for slot in held} | set(range(first, first + len(held)))
         if any(index in self._readers for index in involved):
-            return False
+            return
         spare = torch.empty_like(self.span(0, 1))  # spare: [layers, 2, kv_heads, block_size, head_dim]
-        for offset, slot in enumerate(slots):
+        for offset, slot in enumerate(held):
             if slot.index != first + offset:
                 self._swap(slot.index, first + offset, spare)
-        return True
 
     def lent(self) -> int:
         """Return how many slots running requests read now."""

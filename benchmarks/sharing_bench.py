@@ -15,7 +15,8 @@ length with one request, then prints:
    whether all were admitted without a 429.
 
 `--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
-`serve` (repeat it: `--flag=--dtype --flag=bfloat16`). `--llama-server PATH --gguf FILE` runs llama.cpp's server
+`serve` (repeat it: `--flag=--dtype --flag=bfloat16`), `--json FILE` also writes the tables to FILE (as
+`benchmarks/gpu_check.sh` reads them). `--llama-server PATH --gguf FILE` runs llama.cpp's server
 instead, on the same weights converted to GGUF, with one slot per stream (tables 1 and 2; it reports no KV memory).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import statistics
@@ -162,11 +164,14 @@ async def main() -> None:
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable, run instead of prefixgate")
     parser.add_argument("--gguf", help="the model file llama-server runs")
+    parser.add_argument("--json", type=Path, help="also write the tables to this file")
     args = parser.parse_args()
     peer = args.llama_server is not None
     import torch
 
-    print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {args.flag}\n")
+    # `prefixgate serve` runs on CUDA when torch sees it, unless a flag says otherwise.
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    print(f"SmolLM2-135M-Instruct, {device}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {args.flag}\n")
     rates, arrivals = [], []
     memory = None
     if peer:
@@ -217,6 +222,9 @@ async def main() -> None:
     table(["prefix", "streams", "short prompt", "shared prefix", "ratio"], rates)
     print("First token of warm requests (new questions after the cached prefix):")
     table(["prefix", "at once", "one alone", "slowest of them", "ratio"], arrivals)
+    if args.json is not None:
+        tables = {"device": device, "flags": args.flag, "decode": rates, "arrivals": arrivals, "memory": memory}
+        args.json.write_text(json.dumps(tables, indent=1))
     if memory is not None:
         tokens, highest, shared, rss, refused = memory
         print(f"KV memory of {args.memory_streams} streams on the {tokens}-token prefix:")

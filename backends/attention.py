@@ -6,7 +6,10 @@ packed queries and the new keys and values (RoPE applied); it writes each reques
 buffer and attends its queries over the buffer's filled positions, as vLLM's attention layer writes to its paged cache
 and then attends. No cache object is passed to the model, so transformers neither stores K and V itself nor builds a
 mask: this name is not registered for masks, and each request's causal (and sliding-window) mask is built here.
-Called outside a packed step (transformers' own `generate` on a model a backend has packed), it attends like SDPA.
+The step reaches the layers through the thread that runs it (`packed_step`), not through the forward's arguments, and
+the work is one operator, `prefixgate::attend`: a compiled step (see `ModelRunner.compile`) traces the model around
+it and calls it as it is. Called outside a packed step (transformers' own `generate` on a model a backend has
+packed), it attends like SDPA.
 
 A request may start from shared prefixes: KV that several running requests read in place (see `shared_prefix.py`).
 Its buffer then holds only what follows them, and its attention is split in parts that merge exactly by their
@@ -18,6 +21,9 @@ each, as every call reads the whole prefix from memory.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +38,8 @@ _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions att
 # prefix: 69 ms in one run, 76 in 4 and 97 in 16 attended one by one (a call and a merge each), 71 to 81 ms copied
 # together whatever their number (5 to 64).
 _MOST_RUNS = 4
-BATCH_ARGUMENT = "packed_batch"  # the forward keyword that carries the PackedBatch down to every attention layer
+_SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once
+_step = threading.local()  # .batch: the PackedBatch this thread's model runs, inside `packed_step`
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,16 @@ class PackedBatch:
         return cls(segments, tuple(bounds), shared)
 
 
+@contextmanager
+def packed_step(batch: PackedBatch) -> Iterator[None]:
+    """Run the model's attention as this packed step, on this thread, inside the block."""
+    _step.batch = batch
+    try:
+        yield
+    finally:
+        _step.batch = None
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -98,20 +115,38 @@ def packed_attention(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Write each segment's new K and V into its buffer and attend its queries over it and its shared prefixes."""
-    heads, head_dim = query.shape[1], query.shape[3]
-    scale = scaling if scaling is not None else head_dim**-0.5
-    batch = kwargs.get(BATCH_ARGUMENT)
+    """Attend as the packed step this thread runs (`packed_step`), or like SDPA outside one; return `[1, total,
+    heads, head_dim]`. The work is the `prefixgate::attend` operator, which a compiled step calls as it is."""
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    layer = int(getattr(module, "layer_idx", -1))  # every attention module of transformers has one
+    window = None if sliding_window is None else int(sliding_window)
+    return torch.ops.prefixgate.attend(query, key, value, layer, float(scale), window, softcap or None), None
+
+
+@torch.library.custom_op("prefixgate::attend", mutates_args=())
+def _attend_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Write each segment's new K and V into its buffer and attend its queries over it and its shared prefixes.
+
+    The buffers written are the step's, not arguments: a compiled step sees an operator that returns its output.
+    """
+    heads = query.shape[1]
+    batch: PackedBatch | None = getattr(_step, "batch", None)
     if batch is None:
         # The model called outside a packed step (transformers' own generate, say), with transformers' cache: each
         # row one unpadded sequence whose queries are the last of its keys.
         start = key.shape[2] - query.shape[2]
         mask = _mask(start, query.shape[2], 0, key.shape[2], sliding_window, query.device)
-        return _attend(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
-    assert isinstance(batch, PackedBatch)
+        return _attend(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous()
     if batch.shared and (sliding_window is not None or softcap):
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
-    layer = int(getattr(module, "layer_idx"))  # noqa: B009  # every attention module of transformers has one
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs, lses = [], []
@@ -149,7 +184,12 @@ def packed_attention(
     if batch.shared:
         lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]  # lse: [1, heads, total], float32
         out = _add_shared(query, out, lse, batch.shared, layer, scale)
-    return out.transpose(1, 2).contiguous(), None  # [1, total, heads, head_dim]
+    return out.transpose(1, 2).contiguous()  # [1, total, heads, head_dim]
+
+
+@_attend_step.register_fake
+def _(query: torch.Tensor, *rest: object) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
 def attend_with_lse(
@@ -171,16 +211,31 @@ def _attend_exactly(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend as `attend_with_lse` does, in plain matrix products: on any device (used where no fused kernel
-    returning the log-sum-exp is called, and as the reference the tests hold the kernel to)."""
-    groups = queries.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(groups, dim=1)
-    values = values.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(queries.float(), keys.float().transpose(-2, -1)) * scale  # scores: [1, heads, q, k]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # lse: [1, heads, q]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
-    return out.to(queries.dtype), lse
+    returning the log-sum-exp is called, and as the reference the tests hold the kernel to).
+
+    Query heads are grouped by the KV head they read, as rows of one matrix per KV head, so K and V are never copied
+    per query head; and the float32 scores are made for a slice of the queries at a time, at most `_SCORES_BYTES`, so a
+    long prompt chunk over a long context (2,048 grouped rows over 32k keys would be 2 GiB a KV head) stays bounded.
+    """
+    _, heads, count, head_dim = queries.shape
+    kv_heads, seen = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    keys, values = keys.float(), values.float()  # keys, values: [1, kv_heads, seen, d]
+    step = max(1, _SCORES_BYTES // (heads * seen * 4))
+    outputs, lses = [], []
+    for first in range(0, count, step):
+        part = queries[:, :, first : first + step]
+        length = part.shape[2]
+        # Row g * length + i of KV head h is query i of head h * groups + g.
+        grouped = part.float().reshape(1, kv_heads, groups * length, head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-2, -1)) * scale  # scores: [1, kv_heads, rows, seen]
+        if mask is not None:
+            scores = scores.masked_fill(~mask[first : first + length].repeat(groups, 1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # lse: [1, kv_heads, rows]
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values)
+        outputs.append(out.reshape(1, heads, length, head_dim))
+        lses.append(lse.reshape(1, heads, length))
+    return torch.cat(outputs, dim=2).to(queries.dtype), torch.cat(lses, dim=2)
 
 
 def _attend_chunk(

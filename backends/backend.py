@@ -200,6 +200,7 @@ class Backend(Protocol):
     prefix_reuse: bool
     reuse_refusal: str | None
     tool_format: ToolFormat  # how the model writes tool calls, by its chat template
+    steps: str  # how the model's steps run: "eager", "compiling" (eager until done) or "compiled"
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render chat messages with the model's own template, ending with the assistant's turn.

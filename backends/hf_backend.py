@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
+import sys
+import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import torch
@@ -45,6 +48,7 @@ from prefixgate.errors import (
 )
 from prefixgate.threads import use_threads
 
+_log = logging.getLogger(__name__)
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
 # Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
 # tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
@@ -84,6 +88,7 @@ class HFBackend:
         on_step: StepListener | None = None,
         clock: Callable[[], float] = time.perf_counter,
         prepack_weights: bool = False,
+        compile_steps: bool | Literal["auto"] = False,
         gather_seconds: float = GATHER_SECONDS,
     ) -> None:
         if block_size < 1:
@@ -146,6 +151,44 @@ class HFBackend:
             clock=clock,
             gather_seconds=gather_seconds,
         )
+        # Compiled steps, where they were measured to pay: a CPU running the model in bfloat16 with its linear weights
+        # packed (see README, "The model's step"). They compile in a thread of their own; steps run eagerly until then.
+        self.compiling: threading.Thread | None = None
+        self.steps = "eager"  # "compiling", then "compiled", or "eager" again when compiling failed
+        if compile_steps == "auto":
+            compile_steps = self.prepacked > 0
+        if compile_steps and self.prefix_reuse:
+            self.steps = "compiling"
+            self.compiling = threading.Thread(
+                target=self._compile,
+                args=(torch.get_num_threads(),),
+                name=f"prefixgate-compile-{model_id}",
+                daemon=True,
+            )
+            self.compiling.start()
+
+    def _compile(self, threads: int) -> None:
+        """Compile the packed step (see `ModelRunner.compile`), at the lowest priority, while the model thread serves.
+
+        The compiler is Python, and the interpreter runs one thread's Python at a time: holding it for the default 5
+        ms whenever the model thread's kernels let it go, it stalled a step of 8 streams for up to 5 s. While it
+        compiles, the interpreter switches threads every 0.1 ms instead (the slowest such step 0.8 s, see README)."""
+        with contextlib.suppress(AttributeError, OSError):  # a thread's own priority: Linux
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        use_threads(threads)  # inductor generates kernels for the thread count of the thread that compiles
+        started = time.perf_counter()
+        g = self.geometry
+        buffer = torch.zeros((g.layers, 2, g.kv_heads, 2, g.head_dim), dtype=g.dtype, device=self.device)
+        try:
+            # Code generation in this thread, not in a pool of compiler processes (inductor's settings are per thread).
+            with _switching_often(), torch.inference_mode(), torch._inductor.config.patch(compile_threads=1):
+                self._runner.compile([[StepInput([0], buffer, 0)], [StepInput([0, 0], buffer, 0)]])
+        except Exception as exc:  # whatever torch.compile raises, the steps stay eager
+            self.steps = "eager"
+            _log.warning("compiling the model's step failed, so it runs eagerly: %s: %s", type(exc).__name__, exc)
+            return
+        self.steps = "compiled"
+        _log.info("the model's step runs compiled from now on (compiled in %.0f s)", time.perf_counter() - started)
 
     @classmethod
     def load(
@@ -194,7 +237,8 @@ class HFBackend:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model!r} from {str(resolved.folder)!r}: {exc}") from exc
         hf_model.to(target)  # type: ignore[arg-type]
-        return cls(hf_model, tokenizer, model_id=resolved.model_id, **{"prepack_weights": True, **options})
+        defaults = {"prepack_weights": True, "compile_steps": "auto"}
+        return cls(hf_model, tokenizer, model_id=resolved.model_id, **{**defaults, **options})
 
     @property
     def device(self) -> torch.device:
@@ -494,6 +538,30 @@ class HFBackend:
             self._runner.unpack()
             return f"its KV cache does not have the block layout: {problem}"
         return None
+
+
+_COMPILING_SWITCH_SECONDS = 1e-4  # how often the interpreter switches threads while a step compiles
+_switches = threading.Lock()
+_compiling = 0  # compile threads running: the first sets the switch interval, the last puts it back
+_switch_interval = 0.0
+
+
+@contextlib.contextmanager
+def _switching_often() -> Iterator[None]:
+    """Switch the interpreter between threads every `_COMPILING_SWITCH_SECONDS` inside the block."""
+    global _compiling, _switch_interval
+    with _switches:
+        if _compiling == 0:
+            _switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(_COMPILING_SWITCH_SECONDS)
+        _compiling += 1
+    try:
+        yield
+    finally:
+        with _switches:
+            _compiling -= 1
+            if _compiling == 0:
+                sys.setswitchinterval(_switch_interval)
 
 
 def default_kv_memory_budget(device: torch.device) -> int:

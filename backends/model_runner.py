@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,22 @@ class StepInput:
     shared: tuple[torch.Tensor, ...] = ()  # the shared prefixes it starts from, root first (see attention.Segment)
 
 
+_Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # input ids, positions, last -> logits
+
+
+def _call_compiled(
+    compiled: _Step, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor, *, compile_new: bool
+) -> torch.Tensor:
+    """Run a compiled step, its sizes marked as sizes that vary; without `compile_new`, a step no graph takes runs
+    eagerly instead of compiling one."""
+    if input_ids.shape[1] > 1:
+        torch._dynamo.mark_dynamic(input_ids, 1)
+        torch._dynamo.mark_dynamic(position_ids, 1)
+    torch._dynamo.mark_dynamic(last, 0)
+    with torch.compiler.set_stance("default" if compile_new else "eager_on_recompile"):
+        return compiled(input_ids, position_ids, last)
+
+
 class ModelRunner:
     """Run forward passes of one model; call only from the thread that owns the model."""
 
@@ -52,6 +69,7 @@ class ModelRunner:
         self.cache_argument = names[0]
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._unpacked = str(model.config._attn_implementation)
+        self._step: _Step = self._eager  # the packed step `run` takes: eager, or compiled once `compile` is done
 
     def context_tokens(self) -> float:
         """Return the context at which a new token's attention costs about as much as the rest of its layer; infinity
@@ -90,6 +108,24 @@ class ModelRunner:
 
         Each input's new K and V land in its buffer at positions `[start, start + len(token_ids))`.
         """
+        return self._run(self._step, inputs)
+
+    def compile(self, warm_ups: Sequence[Sequence[StepInput]]) -> None:
+        """Compile the packed step with `torch.compile` and have `run` take it from its next step (blocking, in a
+        thread of its own while `run` goes on eagerly in the model thread). Raises what compiling raised; `run` then
+        stays eager.
+
+        The step's size (its tokens, its segments) varies from step to step, so each graph takes it as a size that
+        varies, except a size of 1, which makes a graph of its own: `warm_ups` are steps that compile each graph
+        needed (one of one token, one of more), and `run` compiles nothing more: a step that no graph takes runs
+        eagerly, so the model thread never stops to compile.
+        """
+        compiled = torch.compile(self._eager, dynamic=False)
+        for inputs in warm_ups:
+            self._run(functools.partial(_call_compiled, compiled, compile_new=True), inputs)
+        self._step = functools.partial(_call_compiled, compiled, compile_new=False)
+
+    def _run(self, step: _Step, inputs: Sequence[StepInput]) -> torch.Tensor:
         assert self._takes_logits_to_keep, "packed steps need logits_to_keep (every packed model has it)"
         segments = tuple(Segment(i.kv, i.start, len(i.token_ids), i.offset, i.shared) for i in inputs)
         batch = PackedBatch.of(segments, self.device)
@@ -97,17 +133,18 @@ class ModelRunner:
         positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # position_ids: [1, total]
-        last = torch.tensor(batch.cu_seqlens[1:], device=self.device) - 1  # last: [segments], each one's last token
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=last,
-            **{attention.BATCH_ARGUMENT: batch},
-        )
-        logits = output.logits  # logits: [1, segments, vocab]
+        # last: [max(segments, 2)], each segment's last token; one segment's twice, so that the count is never 1 (a
+        # graph of its own when compiled).
+        last = torch.tensor(batch.cu_seqlens[1:] * (2 if len(inputs) == 1 else 1), device=self.device) - 1
+        with attention.packed_step(batch):
+            logits = step(input_ids, position_ids, last)  # logits: [1, len(last), vocab]
+        return logits[0, : len(inputs)].float()
+
+    def _eager(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=last)
+        logits = output.logits
         assert isinstance(logits, torch.Tensor)
-        return logits[0].float()
+        return logits
 
     def run_alone(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
         """Feed `token_ids` after what transformers' own `cache` holds; return the last position's logits.

@@ -11,9 +11,16 @@ keeps torch's own path. This is what `torch.compile`'s weight prepacking does fo
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 _ROWS_HINT = 8  # the row count oneDNN lays a weight out for; every other count of rows runs on that layout too
+# Every live packed layer by its number: the `prefixgate::packed_linear` operator takes the number, as a compiled step
+# cannot take oneDNN's opaque weight as an argument.
+_LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
 
 
 class PackedLinear(torch.nn.Module):
@@ -26,11 +33,25 @@ class PackedLinear(torch.nn.Module):
             # packed: oneDNN's opaque layout of the [out_features, in_features] weight; not a parameter
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT)
         self.bias = linear.bias
+        self.number = next(_NUMBERS)
+        _LAYERS[self.number] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.prefixgate.packed_linear(x, self.number)
         return out
+
+
+@torch.library.custom_op("prefixgate::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, number: int) -> torch.Tensor:
+    layer = _LAYERS[number]
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    return out
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, number: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[number].out_features))
 
 
 def prepack_linear_weights(model: torch.nn.Module) -> int:

@@ -78,7 +78,8 @@ async def served(executable: str, *flags: str) -> AsyncIterator[Served]:
 
 @contextlib.asynccontextmanager
 async def launched(command: Callable[[int], list[str]]) -> AsyncIterator[Served]:
-    """Run a server's `command(port)` on a free local port; yield it once its /health answers 200."""
+    """Run a server's `command(port)` on a free local port; yield it once its /health answers 200 (and, for
+    prefixgate, its steps are no longer compiling)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -94,7 +95,8 @@ async def launched(command: Callable[[int], list[str]]) -> AsyncIterator[Served]
                         raise RuntimeError(f"the server exited: {log.read().decode()[-2000:]}")
                     with contextlib.suppress(aiohttp.ClientError):
                         async with session.get(f"{url}/health") as response:
-                            if response.status == 200:
+                            # prefixgate compiles its steps after it starts: measure them as they run from then on
+                            if response.status == 200 and '"compiling"' not in await response.text():
                                 break
                     await asyncio.sleep(0.2)
             yield Served(url, process.pid)

@@ -125,7 +125,7 @@ async def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000], help="in characters")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median)")
     args = parser.parse_args()
-    backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
+    backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m", compile_steps=False)
     geometry = backend.geometry
     with tempfile.TemporaryDirectory() as folder:
         config = StoreConfig(TierConfig(0), TierConfig(1 << 20), TierConfig(1 << 20))

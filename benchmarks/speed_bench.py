@@ -1,9 +1,10 @@
-"""How fast a step runs: this build as it serves by default, in float32, and llama.cpp's server on the same weights.
+"""How fast a step runs: this build as it serves by default, with its steps eager, in float32, and llama.cpp's server
+on the same weights.
 
 Run by hand: `.venv/bin/python benchmarks/speed_bench.py --llama-server PATH --gguf F32.gguf --gguf BF16.gguf`
-(about five minutes; without `--llama-server` only prefixgate's rows). Each server in turn, through HTTP on
-127.0.0.1 (prefixgate with its store in memory; llama.cpp's server with 8 slots, each with room for the whole
-prompt, its other settings as they come), prints:
+(about seven minutes; without `--llama-server` only prefixgate's rows). Each server in turn, through HTTP on
+127.0.0.1 (prefixgate with its store in memory, measured once its steps are compiled; llama.cpp's server with 8
+slots, each with room for the whole prompt, its other settings as they come), prints:
 
 - decode tokens/s of 1 stream and of 8 streams at once (64 tokens each, greedy, a short prompt, counted while all of
   them decode; the median of 3 rounds);
@@ -64,6 +65,7 @@ async def main() -> None:
     system = system_prompt(PREFIX_TOKENS)
     servers: list[tuple[str, contextlib.AbstractAsyncContextManager[Served], bool]] = [
         ("prefixgate (default)", served(args.prefixgate), True),
+        ("prefixgate --compile off", served(args.prefixgate, "--compile", "off"), True),
         ("prefixgate --dtype float32", served(args.prefixgate, "--dtype", "float32"), True),
     ]
     if args.llama_server:

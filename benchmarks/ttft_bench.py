@@ -258,11 +258,14 @@ async def main() -> None:
     parser.add_argument("--offset-length", type=int, default=4096, help="the whole blocks before those offsets")
     args = parser.parse_args()
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
+    if backend.compiling is not None:
+        await asyncio.to_thread(backend.compiling.join)  # the steps as served once compiled
     try:
         question, other = ((backend.render_text(text) * 2)[:32] for text in (QUESTION, OTHER_QUESTION))
         await first_token_seconds(backend, backend.render_text("warm up the kernels"), [])
         print(
-            f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {torch.get_num_threads()} threads; "
+            f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {torch.get_num_threads()} threads, "
+            f"steps {backend.steps}; "
             f"blocks of {backend.geometry.block_size} tokens; prompt = prefix + 32-token question; "
             f"median of {args.repeats} warm runs"
         )

@@ -86,6 +86,7 @@ async def build_engine(settings: Settings) -> AnyEngine:
         HFBackend.load,
         settings.model,
         dtype=None if settings.dtype == "auto" else settings.dtype,
+        compile_steps="auto" if settings.compile == "auto" else settings.compile == "on",
         block_size=settings.block_size,
         model_cache_dir=settings.model_cache_dir,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -305,6 +306,7 @@ async def health(request: web.Request) -> web.Response:
         "status": "ok",
         "model": engine.backend.model_id,
         "prefix_reuse": engine.backend.prefix_reuse,
+        "steps": engine.backend.steps,
     }
     problem = engine.backend.problem()
     if problem is not None:

@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             print=lambda _: print(_banner(app, settings), flush=True),
             **SERVE_OPTIONS,
         )
+        if _still_compiling(app):
+            # Its thread is inside torch, which can abort the interpreter's exit: everything is closed, leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except PrefixgateError as error:
         print(f"prefixgate: {error}", file=sys.stderr)
         return 2
@@ -138,6 +144,7 @@ def _banner(app: web.Application, settings: Settings) -> str:
     lines = [
         f"prefixgate {__version__} serving {settings.model} on {url}/v1",
         f"  model in {_dtype(engine.store.device, engine.store.layout.dtype, settings)} on {engine.store.device}",
+        f"  steps {_steps(engine.backend.steps)}",
         f"  store {where}: {tiers}",
     ]
     remote = engine.store.remote
@@ -146,6 +153,21 @@ def _banner(app: web.Application, settings: Settings) -> str:
     if settings.admin_key is not None:
         lines.append(f"  admin dashboard: {url}/admin/")
     return "\n".join(lines)
+
+
+def _still_compiling(app: web.Application) -> bool:
+    from prefixgate.proxy.app import ENGINE
+    from prefixgate.proxy.upstream_engine import UpstreamEngine
+
+    engine = app.get(ENGINE)
+    return engine is not None and not isinstance(engine, UpstreamEngine) and engine.backend.steps == "compiling"
+
+
+def _steps(steps: str) -> str:
+    """Return how the model's steps run, as the banner says it."""
+    if steps == "compiling":
+        return "compiling in the background (eager until then; --compile sets it)"
+    return f"{steps} (--compile sets it)"
 
 
 def _dtype(device: torch.device, dtype: torch.dtype, settings: Settings) -> str:

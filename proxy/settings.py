@@ -66,6 +66,11 @@ class Settings(BaseSettings):
         description="model and KV dtype; auto is bfloat16 on GPUs and on CPUs that compute it (AVX-512 BF16, AMX), "
         "else float32",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run the model's step compiled (torch.compile, in the background while steps run eagerly); auto "
+        "compiles where it was measured to pay: a CPU running the model in bfloat16",
+    )
     store: Path | None = Field(
         Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"
     )

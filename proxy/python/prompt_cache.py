@@ -60,12 +60,14 @@ class PromptCache:
 
         `settings` are the server's (`block_size`, `host_budget`, `policy`, ...); unset ones come from
         `PREFIXGATE_*` variables, then `config_file`, then the defaults. `store=""` keeps the cache in memory only.
+        The model's steps run eagerly unless `compile` says otherwise: a script tends to end before compiling them
+        pays, and a process that ends while they compile can abort on its way out.
         """
         # Imported here: the app module pulls in the HTTP server, which a connect()-only user never needs.
         from prefixgate.proxy.app import build_engine
         from prefixgate.proxy.settings import load_settings
 
-        loaded = load_settings(config_file, model=model, store=store, **settings)
+        loaded = load_settings(config_file, model=model, store=store, **{"compile": "off", **settings})
         loop = _LoopThread()
         try:
             engine = loop.run(build_engine(loaded))

@@ -1,5 +1,5 @@
-"""On a GPU: packed steps batch requests on CUDA, start them from cached blocks and from one shared prefix, and the
-engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA;
+"""On a GPU: packed steps batch requests on CUDA (eager and compiled), start them from cached blocks and from one
+shared prefix, and the engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA;
 `benchmarks/gpu_check.sh` runs them (and the store's) where there is one."""
 
 from __future__ import annotations
@@ -47,6 +47,18 @@ async def test_requests_batched_on_the_gpu_get_the_tokens_each_gets_alone(
     together = await asyncio.gather(*(collect(backend, prompt, params=LONGER) for prompt in PROMPTS))
     assert [g.token_ids for g in together] == [g.token_ids for g in expected]
     assert max(len(step.seq_ids()) for step in steps) == len(PROMPTS), "the requests shared forward passes"
+
+
+async def test_compiled_steps_on_the_gpu_give_the_tokens_of_eager_ones(
+    make_backend: BackendFactory, gpu_llama: PreTrainedModel
+) -> None:
+    expected = await alone(make_backend(gpu_llama), PROMPTS, [LONGER] * len(PROMPTS))
+    backend = make_backend(copy.deepcopy(gpu_llama), compile_steps=True)
+    assert backend.compiling is not None
+    await asyncio.to_thread(backend.compiling.join)
+    assert backend.steps == "compiled"
+    together = await asyncio.gather(*(collect(backend, prompt, params=LONGER) for prompt in PROMPTS))
+    assert [g.token_ids for g in together] == [g.token_ids for g in expected]
 
 
 async def test_a_request_on_the_gpu_starts_from_its_cached_blocks(

@@ -55,7 +55,9 @@ async def test_a_hub_id_resolves_from_the_hugging_face_cache_and_serves(
     offline_hub_cache(monkeypatch, tmp_path / "hub")
     resolved = resolve_model("acme/tiny-llama", model_cache_dir=tmp_path)
     assert (resolved.folder, resolved.model_id, resolved.source) == (snapshot, "acme/tiny-llama", "hub")
-    backend = HFBackend.load("acme/tiny-llama", device="cpu", block_size=8, model_cache_dir=tmp_path)
+    backend = HFBackend.load(
+        "acme/tiny-llama", device="cpu", block_size=8, model_cache_dir=tmp_path, compile_steps=False
+    )
     try:
         assert backend.model_id == "acme/tiny-llama"
         assert (await collect(backend, make_prompt(12))).finish_reason == "length"
@@ -96,7 +98,7 @@ def test_an_unknown_dtype_lists_the_valid_names(saved_llama: Path) -> None:
 
 
 async def test_dtype_is_a_setting_and_changes_the_fingerprint(saved_llama: Path) -> None:
-    backend = HFBackend.load(str(saved_llama), dtype="bfloat16", device="cpu", block_size=8)
+    backend = HFBackend.load(str(saved_llama), dtype="bfloat16", device="cpu", block_size=8, compile_steps=False)
     try:
         assert backend.geometry.dtype.is_floating_point and backend.geometry.dtype.itemsize == 2
         reference = HFBackend.load(str(saved_llama), dtype="float32", device="cpu", block_size=8)
@@ -114,7 +116,7 @@ def test_auto_dtype_is_bfloat16_on_cpus_that_compute_it_and_float32_on_others(
     dtype, why = hf_backend.auto_dtype(torch.device("cpu"))
     assert dtype == expected
     assert ("computes bfloat16" in why) == computes
-    backend = HFBackend.load(str(saved_llama), device="cpu", block_size=8)
+    backend = HFBackend.load(str(saved_llama), device="cpu", block_size=8, compile_steps=False)
     try:
         assert backend.geometry.dtype == expected
     finally:

@@ -142,6 +142,29 @@ def test_a_long_prefix_attended_in_halves_gives_what_one_call_gives() -> None:
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
 
 
+def test_exact_attention_holds_a_slice_of_the_scores_at_a_time_and_gives_what_all_at_once_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, seen, length = 6, 2, 16, 40, 7  # three query heads read each KV head
+    query = torch.randn(1, heads, length, head_dim)
+    keys, values = torch.randn(1, kv_heads, seen, head_dim), torch.randn(1, kv_heads, seen, head_dim)
+    mask = attention_module._mask(seen - length, length, 0, seen, None, query.device)  # a chunk at the end, causal
+    assert mask is not None
+    # The reference: every query head with its own copy of K and V, all scores at once.
+    scores = query @ keys.repeat_interleave(3, dim=1).transpose(-2, -1) * 0.25
+    scores = scores.masked_fill(~mask, float("-inf"))
+    expected_lse = torch.logsumexp(scores, dim=-1)
+    expected = torch.softmax(scores, dim=-1) @ values.repeat_interleave(3, dim=1)
+    monkeypatch.setattr(attention_module, "_SCORES_BYTES", 2 * heads * seen * 4)  # two queries' scores at a time
+    made = []
+    monkeypatch.setattr(attention_module.torch, "logsumexp", lambda x, dim: made.append(x.shape) or x.logsumexp(dim))
+    out, lse = attention_module._attend_exactly(query, keys, values, mask, 0.25)
+    assert made == [(1, kv_heads, 6, seen)] * 3 + [(1, kv_heads, 3, seen)]  # slices of 2, 2, 2 and 1 queries
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(shared: bool) -> None:
     torch.manual_seed(0)
@@ -156,7 +179,8 @@ def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(sh
     batch = attention_module.PackedBatch.of((segment,))
     layer = torch.nn.Module()
     layer.layer_idx = 0
-    out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25, packed_batch=batch)
+    with attention_module.packed_step(batch):
+        out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25)
     keys = torch.cat(([prefix[0, 0]] if shared else []) + [kv[0, 0]], dim=1).unsqueeze(0)
     values = torch.cat(([prefix[0, 1]] if shared else []) + [kv[0, 1]], dim=1).unsqueeze(0)
     mask = attention_module._mask(offset + context, length, 0, offset + context + length, None, query.device)
@@ -178,7 +202,8 @@ def test_a_prefix_lent_in_runs_is_attended_as_one(runs: int) -> None:
     new = torch.stack([kv[0, :, :, own] for kv in buffers], dim=2).unsqueeze(1)  # [2, 1, kv_heads, 2, head_dim]
     layer = torch.nn.Module()
     layer.layer_idx = 0
-    out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25, packed_batch=batch)
+    with attention_module.packed_step(batch):
+        out, _ = attention_module.packed_attention(layer, query, new[0], new[1], None, scaling=0.25)
     for index, kv in enumerate(buffers):
         keys = torch.cat((prefix[0, 0], kv[0, 0]), dim=1).unsqueeze(0)  # keys: [1, kv_heads, positions, head_dim]
         values = torch.cat((prefix[0, 1], kv[0, 1]), dim=1).unsqueeze(0)

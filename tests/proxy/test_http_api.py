@@ -441,7 +441,7 @@ async def test_an_error_after_streaming_began_is_an_sse_error_event(serve: Serve
 async def test_health_is_reachable_before_any_request(serve: Serve) -> None:
     client: TestClient[Any, Any] = await serve()
     body = await (await client.get("/health")).json()
-    assert body == {"status": "ok", "model": MODEL, "prefix_reuse": True}
+    assert body == {"status": "ok", "model": MODEL, "prefix_reuse": True, "steps": "eager"}
 
 
 class UnreadableStore(TieredStore):

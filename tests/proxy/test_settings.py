@@ -154,11 +154,12 @@ async def test_the_start_banner_names_the_store_its_tiers_and_the_dashboard(serv
     assert _banner(client.app, settings).splitlines() == [
         f"prefixgate {__version__} serving {MODEL} on http://127.0.0.1:8000/v1",
         "  model in float32 on cpu",  # the tiny model is built in float32, whatever auto would choose
+        "  steps eager (--compile sets it)",
         f"  store in {tmp_path / 'store'}: host 256MiB, disk 1GiB",
         "  admin dashboard: http://127.0.0.1:8000/admin/",
     ]
     in_memory = await serve(store="", host_budget="64MiB")
-    assert _banner(in_memory.app, in_memory.app[SETTINGS]).splitlines()[2:] == [
+    assert _banner(in_memory.app, in_memory.app[SETTINGS]).splitlines()[3:] == [
         "  store in memory only (nothing persists): host 64MiB"
     ]
 

@@ -1,0 +1,147 @@
+"""Compiled steps: the packed step compiled by `torch.compile` in a thread of its own while steps run eagerly.
+
+The reference is the eager step of the same model. A compiled step runs none of the model's Python: counting calls of
+`packed_attention` (which the eager step calls once per layer) tells the two apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from prefixgate.backends import attention as attention_module
+from prefixgate.backends import model_runner
+from prefixgate.backends.model_runner import ModelRunner, StepInput
+from prefixgate.backends.packed_linear import applies
+from tests.backends.conftest import BackendFactory
+from tests.backends.streams import collect
+from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.tiny_models import make_llama
+
+
+@contextmanager
+def attention_calls() -> Iterator[list[int]]:
+    """Count this thread's calls of `packed_attention`, the Python an eager step runs once per layer."""
+    calls: list[int] = []
+    code = attention_module.packed_attention.__code__
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+
+
+def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    model = make_llama(tokenizer)
+    backend = make_backend(model, compile_steps=True)
+    assert backend.compiling is not None
+    backend.compiling.join()
+    assert backend.steps == "compiled"
+    compiled, eager = backend._runner, ModelRunner(model)  # one model: the second runner runs its step eagerly
+    g = backend.geometry
+    root = torch.randn((g.layers, 2, g.kv_heads, 16, g.head_dim))  # a shared prefix of 16 positions
+    prompt = make_prompt(40)
+    steps: list[Callable[[list[torch.Tensor]], list[StepInput]]] = [
+        lambda kv: [StepInput(prompt[:1], kv[0], 0)],  # one token alone (a graph of its own)
+        lambda kv: [StepInput(prompt[:13], kv[0], 0)],  # a prompt chunk alone
+        lambda kv: [StepInput(prompt[5:6], kv[i], 20 + i) for i in range(3)],  # three decoding streams
+        lambda kv: [  # two streams on a shared prefix, one of them a chunk, beside one that reads none
+            StepInput(prompt[:4], kv[0], 16, 16, (root,)),
+            StepInput(prompt[:1], kv[1], 30, 16, (root,)),
+            StepInput(prompt[:7], kv[2], 9),
+        ],
+    ]
+    for step in steps:
+        buffers = [torch.randn((g.layers, 2, g.kv_heads, 40, g.head_dim)) for _ in range(3)]
+        copies = [buffer.clone() for buffer in buffers]
+        with torch.inference_mode(), attention_calls() as calls:
+            logits = compiled.run(step(buffers))
+        assert calls == []  # no layer ran its Python: the compiled graph took the step
+        with torch.inference_mode(), attention_calls() as calls:
+            expected = eager.run(step(copies))
+        assert len(calls) == g.layers
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        for buffer, copy in zip(buffers, copies, strict=True):
+            torch.testing.assert_close(buffer, copy, atol=1e-5, rtol=0)  # each wrote the same K and V
+
+
+async def test_steps_run_eagerly_while_compiling_and_compiled_after(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiling, release = threading.Event(), threading.Event()
+    compile_now = torch.compile
+
+    def held(function: Any, **options: Any) -> Any:
+        compiling.set()
+        release.wait()
+        return compile_now(function, **options)
+
+    monkeypatch.setattr(model_runner.torch, "compile", held)
+    backend = make_backend(make_llama(tokenizer), compile_steps=True)
+    compiling.wait()
+    prompt = make_prompt(20)
+    before = await collect(backend, prompt)  # while the compile thread is held: eager steps
+    assert backend.steps == "compiling" and before.token_ids
+    release.set()
+    assert backend.compiling is not None
+    backend.compiling.join()
+    assert backend.steps == "compiled"
+    assert (await collect(backend, prompt)).token_ids == before.token_ids
+
+
+async def test_a_failure_to_compile_leaves_the_steps_eager_with_one_log_line(
+    make_backend: BackendFactory,
+    tokenizer: PreTrainedTokenizerFast,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(function: Any, **options: Any) -> Any:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(model_runner.torch, "compile", broken)
+    with caplog.at_level(logging.INFO, logger="prefixgate.backends.hf_backend"):
+        backend = make_backend(make_llama(tokenizer), compile_steps=True)
+        assert backend.compiling is not None
+        backend.compiling.join()
+    assert backend.steps == "eager"
+    assert [record.getMessage() for record in caplog.records] == [
+        "compiling the model's step failed, so it runs eagerly: RuntimeError: no compiler here"
+    ]
+    assert (await collect(backend, make_prompt(20))).token_ids
+
+
+def test_auto_compiles_where_linear_weights_are_packed(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[object] = []
+
+    def noted(function: Any, **options: Any) -> Any:
+        started.append(function)
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(model_runner.torch, "compile", noted)
+    float32 = make_backend(make_llama(tokenizer), compile_steps="auto")
+    assert (float32.steps, float32.compiling) == ("eager", None)
+    bfloat16 = make_llama(tokenizer).to(torch.bfloat16)
+    if not applies(bfloat16):
+        pytest.skip("this CPU or torch build has no oneDNN bfloat16 kernels to pack weights for")
+    packed = make_backend(bfloat16, compile_steps="auto", prepack_weights=True)
+    assert packed.prepacked > 0 and packed.compiling is not None
+    packed.compiling.join()
+    assert len(started) == 1

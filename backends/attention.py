@@ -118,7 +118,7 @@ def packed_attention(
     """Attend as the packed step this thread runs (`packed_step`), or like SDPA outside one; return `[1, total,
     heads, head_dim]`. The work is the `prefixgate::attend` operator, which a compiled step calls as it is."""
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
-    layer = int(getattr(module, "layer_idx", -1))  # every attention module of transformers has one
+    layer = int(getattr(module, "layer_idx", -1))  # every attention module of transformers has one; used in a step
     window = None if sliding_window is None else int(sliding_window)
     return torch.ops.prefixgate.attend(query, key, value, layer, float(scale), window, softcap or None), None
 

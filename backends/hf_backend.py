@@ -152,7 +152,7 @@ class HFBackend:
             gather_seconds=gather_seconds,
         )
         # Compiled steps, where they were measured to pay: a CPU running the model in bfloat16 with its linear weights
-        # packed (see README, "The model's step"). They compile in a thread of their own; steps run eagerly until then.
+        # packed (see README, "The model's dtype"). They compile in a thread of their own; steps run eagerly until then.
         self.compiling: threading.Thread | None = None
         self.steps = "eager"  # "compiling", then "compiled", or "eager" again when compiling failed
         if compile_steps == "auto":
@@ -172,7 +172,7 @@ class HFBackend:
 
         The compiler is Python, and the interpreter runs one thread's Python at a time: holding it for the default 5
         ms whenever the model thread's kernels let it go, it stalled a step of 8 streams for up to 5 s. While it
-        compiles, the interpreter switches threads every 0.1 ms instead (the slowest such step 0.8 s, see README)."""
+        compiles, the interpreter switches threads every 0.1 ms instead (the slowest such step 0.9 s, see README)."""
         with contextlib.suppress(AttributeError, OSError):  # a thread's own priority: Linux
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         use_threads(threads)  # inductor generates kernels for the thread count of the thread that compiles

@@ -60,14 +60,17 @@ class PromptCache:
 
         `settings` are the server's (`block_size`, `host_budget`, `policy`, ...); unset ones come from
         `PREFIXGATE_*` variables, then `config_file`, then the defaults. `store=""` keeps the cache in memory only.
-        The model's steps run eagerly unless `compile` says otherwise: a script tends to end before compiling them
-        pays, and a process that ends while they compile can abort on its way out.
+        The model's steps run eagerly unless a `compile` setting says otherwise (here, a variable or the file): a
+        script tends to end before compiling them pays, and a process that ends while they compile can abort on its way
+        out.
         """
         # Imported here: the app module pulls in the HTTP server, which a connect()-only user never needs.
         from prefixgate.proxy.app import build_engine
         from prefixgate.proxy.settings import load_settings
 
-        loaded = load_settings(config_file, model=model, store=store, **{"compile": "off", **settings})
+        loaded = load_settings(config_file, model=model, store=store, **settings)
+        if "compile" not in loaded.model_fields_set:
+            loaded = loaded.model_copy(update={"compile": "off"})
         loop = _LoopThread()
         try:
             engine = loop.run(build_engine(loaded))

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import web
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from prefixgate.backends import HFBackend, model_runner
 from prefixgate.errors import ConfigError, RequestError
 from prefixgate.proxy import PromptCache, Reply, ServerError
 from prefixgate.proxy.app import SERVE_OPTIONS, create_app
@@ -159,6 +161,28 @@ def test_open_loads_a_model_folder_with_the_servers_settings(model_folder: Path,
         assert ask(QUESTION).usage.cached_tokens > 0
         assert cache.engine is not None and cache.engine.backend.geometry.block_size == BLOCK_SIZE
     assert (tmp_path / "store" / "secret").is_file()
+
+
+def test_open_runs_steps_eagerly_unless_a_compile_setting_says_otherwise(
+    model_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bfloat16 here: `auto` would not compile anyway")
+
+    def unavailable(function: Any, **options: Any) -> Any:
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(model_runner.torch, "compile", unavailable)
+    # In bfloat16 on this CPU the linear weights are packed, where `prefixgate serve` would compile by default.
+    with PromptCache.open(model=str(model_folder), store="", dtype="bfloat16") as cache:
+        assert cache.engine is not None and cache.engine.backend.compiling is None
+    monkeypatch.setenv("PREFIXGATE_COMPILE", "auto")
+    with PromptCache.open(model=str(model_folder), store="", dtype="bfloat16") as cache:
+        assert cache.engine is not None
+        backend = cache.engine.backend
+        assert isinstance(backend, HFBackend) and backend.compiling is not None
+        backend.compiling.join()  # it tried, and the stub refused
+        assert backend.steps == "eager"
 
 
 # -- two processes ------------------------------------------------------------------------------------------------

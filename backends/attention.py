@@ -253,10 +253,11 @@ def _attend_chunk(
     _, heads, length, head_dim = queries.shape
     kv_heads = context.shape[1]
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * length, head_dim)
-    part, part_lse = _attend_prefix(grouped, context, scale)
+    parts, part_lses = _attend_prefix(grouped, context, scale)
     mask = _mask(start, length, start, start + length, None, queries.device)
     out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
-    return _merge(out, lse, part.reshape(1, heads, length, head_dim), part_lse.reshape(1, heads, length))
+    outs = torch.cat((out, parts.reshape(-1, heads, length, head_dim)))
+    return _merge(outs, torch.cat((lse, part_lses.reshape(-1, heads, length))))
 
 
 def _add_shared(
@@ -280,23 +281,27 @@ def _add_shared(
         # Query heads are grouped by the KV head they read (head h reads KV head h // groups): as rows of one matrix
         # per KV head, every reader's queries meet each shared key once.
         grouped = picked.reshape(1, kv_heads, heads // kv_heads * count, head_dim)
-        merged, merged_lse = out[:, :, rows], lse[:, :, rows]
+        outs, lses = [out[:, :, rows]], [lse[:, :, rows]]
         for kv in runs:
-            part, part_lse = _attend_prefix(grouped, kv, scale)
-            part = part.reshape(1, heads, count, head_dim)
-            merged, merged_lse = _merge(merged, merged_lse, part, part_lse.reshape(1, heads, count))
+            parts, part_lses = _attend_prefix(grouped, kv, scale)
+            outs.append(parts.reshape(-1, heads, count, head_dim))
+            lses.append(part_lses.reshape(-1, heads, count))
+        # Every part at once: each a few tensor operations on all parts instead of a dozen per pair.
+        merged, merged_lse = _merge(torch.cat(outs), torch.cat(lses))
         out[:, :, rows] = merged
         lse[:, :, rows] = merged_lse
     return out
 
 
 def _attend_prefix(grouped: torch.Tensor, kv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attend grouped queries `[1, kv_heads, rows, d]` over one layer of a shared prefix `[2, kv_heads, tokens, d]`.
+    """Attend grouped queries `[1, kv_heads, rows, d]` over one layer of a shared prefix `[2, kv_heads, tokens, d]`;
+    return the attention over each part of it, `[parts, kv_heads, rows, d]`, and each part's log-sum-exp, `[parts,
+    kv_heads, rows]`, for `_merge`.
 
-    On a CPU a long prefix is cut in halves, attended as one batched call and merged: the kernel shares its work out
-    by KV head and block of queries, and with few of both (SmolLM2: 3 KV heads, 24 rows for 8 streams) one of two
-    cores does twice the other's share. Measured on SmolLM2 and 2 cores: a step of 8 streams on a 7k-token prefix
-    takes 105 ms instead of 115 (no change at 4k tokens; quarters gave nothing more).
+    On a CPU a long prefix is cut in halves, attended as one batched call: the kernel shares its work out by KV head
+    and block of queries, and with few of both (SmolLM2: 3 KV heads, 24 rows for 8 streams) one of two cores does
+    twice the other's share. Measured on SmolLM2 and 2 cores: a step of 8 streams on a 7k-token prefix takes 105 ms
+    instead of 115 (no change at 4k tokens; quarters gave nothing more).
     """
     keys, values = kv[0], kv[1]  # keys, values: [kv_heads, tokens, d]
     kv_heads, tokens, head_dim = keys.shape
@@ -304,18 +309,15 @@ def _attend_prefix(grouped: torch.Tensor, kv: torch.Tensor, scale: float) -> tup
         return attend_with_lse(grouped, keys.unsqueeze(0), values.unsqueeze(0), None, scale)
     key_halves = keys.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)  # [2, kv_heads, tokens / 2, d]
     value_halves = values.reshape(kv_heads, 2, tokens // 2, head_dim).transpose(0, 1)
-    out, lse = attend_with_lse(grouped.expand(2, -1, -1, -1), key_halves, value_halves, None, scale)
-    return _merge(out[0:1], lse[0:1], out[1:2], lse[1:2])  # out: [2, kv_heads, rows, d], a half each
+    return attend_with_lse(grouped.expand(2, -1, -1, -1), key_halves, value_halves, None, scale)
 
 
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the attention over two disjoint sets of keys from each one's output and log-sum-exp."""
-    total = torch.logaddexp(lse, other_lse)  # total: [1, heads, rows]
-    mine, theirs = torch.exp(lse - total).unsqueeze(-1), torch.exp(other_lse - total).unsqueeze(-1)
-    merged = out.float() * mine + other.float() * theirs
-    return merged.to(out.dtype), total
+def _merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the attention over disjoint sets of keys, `[1, ...]`, from each one's output `[sets, ...]` and
+    log-sum-exp `[sets, ...]` (the output's shape without its last dimension)."""
+    total = torch.logsumexp(lses, dim=0, keepdim=True)  # total: [1, ...]
+    weights = torch.exp(lses - total).unsqueeze(-1)  # float32, so the weighted sum is too
+    return (outs * weights).sum(dim=0, keepdim=True).to(outs.dtype), total
 
 
 def _rows(rows: list[int], device: torch.device | None) -> torch.Tensor | slice:

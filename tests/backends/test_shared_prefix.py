@@ -136,7 +136,9 @@ def test_a_long_prefix_attended_in_halves_gives_what_one_call_gives() -> None:
     torch.manual_seed(0)
     kv = torch.randn(2, 3, 1536, 16)  # kv: [2, kv_heads, tokens, head_dim], long enough to be cut in halves
     grouped = torch.randn(1, 3, 12, 16)  # grouped: [1, kv_heads, rows, head_dim]
-    out, lse = attention_module._attend_prefix(grouped, kv, 0.25)
+    parts, part_lses = attention_module._attend_prefix(grouped, kv, 0.25)
+    assert parts.shape[0] == 2  # halves
+    out, lse = attention_module._merge(parts, part_lses)
     expected, expected_lse = attention_module._attend_exactly(grouped, kv[0:1], kv[1:2], None, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)

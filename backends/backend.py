@@ -249,8 +249,9 @@ class Backend(Protocol):
         """Say why the backend cannot serve, or None while it can."""
         ...
 
-    def seconds_per_prefill_token(self) -> float | None:
-        """Return what a prompt token has cost to compute lately, as measured; None before any prompt was."""
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Return what computing a prompt's first `tokens` tokens would take, as measured lately (what a cache hit of
+        that many tokens spared); None before any prompt was."""
         ...
 
     def generate(

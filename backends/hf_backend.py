@@ -323,9 +323,10 @@ class HFBackend:
         """Say why the backend cannot serve (its model thread stopped on a fault), or None while it can."""
         return self._worker.failure
 
-    def seconds_per_prefill_token(self) -> float | None:
-        """Return what a prompt token has cost to compute lately, as measured; None before any prompt was."""
-        return self._worker.seconds_per_prefill_token
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Return what computing a prompt's first `tokens` tokens would take, as measured lately; None before any
+        prompt was."""
+        return self._worker.prefill_seconds(tokens)
 
     def generate(
         self,

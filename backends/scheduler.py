@@ -53,13 +53,23 @@ class StepCosts:
         self.context_tokens = context_tokens
         self.decode_seconds: float | None = None  # a step of decoding streams alone
         self.seconds_per_unit: float | None = None  # a prompt token's share of a step, per unit
-        self._prefill = (0.0, 0.0)  # seconds and tokens of recent prompt-only steps, the older weighing less
+        # Seconds and units of the recent prompt-only steps that measure the prefill rate (see
+        # seconds_per_prompt_unit), the older weighing less, and whether a long one has.
+        self._prefill = (0.0, 0.0, False)
 
     @property
-    def seconds_per_prompt_token(self) -> float | None:
-        """Return the recent cost of a prompt token, on steps that computed prompts only; None before one."""
-        seconds, tokens = self._prefill  # one tuple, replaced whole: a reader on another thread sees a pair
-        return seconds / tokens if tokens else None
+    def seconds_per_prompt_unit(self) -> float | None:
+        """Return what a unit of prompt has cost lately, computed from its start: on prompt-only steps of at least
+        `_RATE_TOKENS` tokens once one has run, and before that on those that started prompts at their first token;
+        None before any.
+
+        A step also pays fixed costs, such as reading every weight, which a step of a few tokens spreads over few: the
+        new question after a cached prefix, a few tokens deep in a long context, cost SmolLM2 on a CPU up to 25 ms a
+        unit where computing the 4k prefix cost 0.4, so such steps never count, and short prompts computed whole count
+        only until a long step is measured.
+        """
+        seconds, units, _ = self._prefill  # one tuple, replaced whole: a reader on another thread sees it whole
+        return seconds / units if units else None
 
     def units(self, tokens: int, context: int) -> float:
         """Return what `tokens` prompt tokens after `context` positions cost, in units of a token at the start."""
@@ -83,9 +93,12 @@ class StepCosts:
                 return  # the prompt's share is unknown until the streams' own cost is
             streams = self.decode_seconds
         else:
-            past_seconds, past_tokens = self._prefill
-            tokens = sum(item.tokens for item in prompt)
-            self._prefill = (_RATE_MEMORY * past_seconds + seconds, _RATE_MEMORY * past_tokens + tokens)
+            past_seconds, past_units, had_long = self._prefill
+            long = sum(item.tokens for item in prompt) >= _RATE_TOKENS
+            if long and not had_long:  # the first long step: what short ones measured goes
+                past_seconds = past_units = 0.0
+            if long or (not had_long and all(item.context == 0 for item in prompt)):
+                self._prefill = (_RATE_MEMORY * past_seconds + seconds, _RATE_MEMORY * past_units + units, long)
         self.seconds_per_unit = _blend(self.seconds_per_unit, max(0.0, seconds - streams) / units)
 
 
@@ -100,6 +113,15 @@ class Scheduler:
         self.costs = costs
         self.packed = packed
         self._turn = 0
+
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Return what computing a prompt's first `tokens` tokens alone would take, in this scheduler's chunks at the
+        measured rate (`StepCosts.seconds_per_prompt_unit`); None before a prompt-only step was measured."""
+        rate = self.costs.seconds_per_prompt_unit
+        if rate is None:
+            return None
+        chunks = range(0, tokens, self.chunk_tokens)
+        return rate * sum(self.costs.units(min(self.chunk_tokens, tokens - start), start) for start in chunks)
 
     def plan(self, running: Seq[Sequence]) -> list[Scheduled]:
         """Return the next step: every decoding sequence, then prompt chunks within the budget."""
@@ -141,6 +163,7 @@ class Scheduler:
 
 
 _RATE_MEMORY = 0.9  # each prompt-only step's weight in the rate of the next: about the last ten steps count
+_RATE_TOKENS = 256  # prompt-only steps this long measure the prefill rate (see seconds_per_prompt_unit)
 
 
 def _blend(estimate: float | None, measure: float) -> float:

@@ -90,10 +90,10 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def seconds_per_prefill_token(self) -> float | None:
-        """Return the recent cost of a prompt token, measured on steps that computed prompts only; None before one."""
-        return self._scheduler.costs.seconds_per_prompt_token
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Return what computing a prompt's first `tokens` tokens alone would take, as measured lately (see
+        `Scheduler.prefill_seconds`); None before a prompt was."""
+        return self._scheduler.prefill_seconds(tokens)
 
     def next_seq_id(self) -> int:
         """Return a fresh sequence id (1, 2, ... in submission order when taken just before submit)."""

@@ -623,8 +623,7 @@ class Generation:
         """Compute up to the first token, so errors come before any response is sent."""
         self._first = await anext(self._stream)
         self.time_to_first_token = time.perf_counter() - self._started
-        rate = self.engine.backend.seconds_per_prefill_token()
-        self.saved_seconds = None if rate is None else self.hit.cached_tokens * rate
+        self.saved_seconds = self.engine.backend.prefill_seconds(self.hit.cached_tokens)
         self.engine.stats.count_request(
             self.prompt_tokens,
             self.hit.tokens_by_tier,

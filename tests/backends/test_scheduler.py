@@ -80,11 +80,37 @@ def test_costs_are_learned_from_the_steps_that_ran() -> None:
     chunk = Scheduled(seqs[1], 100, 1000, prefill=True)
     costs.observe([chunk], 0.4)  # 100 tokens after 1,000 positions: 200 units
     assert costs.seconds_per_unit == pytest.approx(0.002)
-    assert costs.seconds_per_prompt_token == pytest.approx(0.004)
     assert costs.decode_seconds is None
     costs.observe([decode], 0.05)
     assert costs.decode_seconds == pytest.approx(0.05)
     # Beside the stream, the chunk's share is what the step took past the stream's own step.
     costs.observe([decode, chunk], 0.05 + 0.2)
     assert costs.seconds_per_unit == pytest.approx(0.7 * 0.002 + 0.3 * 0.001)
-    assert costs.seconds_per_prompt_token == pytest.approx(0.004), "only prompt-only steps give the prompt rate"
+
+
+def test_the_prefill_rate_comes_from_prompts_computed_from_their_start_and_long_steps_once_one_ran() -> None:
+    scheduler = make_scheduler(decode=None, per_unit=None)
+    costs = scheduler.costs
+    question = Scheduled(cast(Sequence, Seq(20, computed=4000)), 20, 4000, prefill=True)  # after a cached prefix
+    costs.observe([question], 0.1)  # 100 units, paying the step's fixed costs for few tokens
+    assert costs.seconds_per_prompt_unit is None and scheduler.prefill_seconds(1000) is None
+    short = Scheduled(cast(Sequence, Seq(50, computed=0)), 50, 0, prefill=True)  # a short prompt, whole
+    costs.observe([short], 0.05)
+    assert costs.seconds_per_prompt_unit == pytest.approx(0.001)
+    # A long step: what short steps measured goes, as they also paid the step's fixed costs.
+    chunk = Scheduled(cast(Sequence, Seq(1000, computed=0)), 512, 0, prefill=True)
+    costs.observe([chunk], 0.128)  # 512 units
+    assert costs.seconds_per_prompt_unit == pytest.approx(0.00025)
+    costs.observe([short], 0.05)
+    costs.observe([question], 0.1)
+    assert costs.seconds_per_prompt_unit == pytest.approx(0.00025), "short steps no longer count"
+    stream = Scheduled(cast(Sequence, Seq(0, computed=50)), 1, 50)
+    costs.decode_seconds = 0.05
+    costs.observe([stream, chunk], 1.0)
+    assert costs.seconds_per_prompt_unit == pytest.approx(0.00025), "nor steps beside streams"
+    deep = Scheduled(cast(Sequence, Seq(488, computed=512)), 488, 512, prefill=True)  # 488 x 1.512 units
+    costs.observe([deep], 0.00025 * 488 * 1.512)
+    assert costs.seconds_per_prompt_unit == pytest.approx(0.00025)
+    # 1,000 tokens from the start, in chunks of 512: 512 units, then 488 tokens after 512 positions.
+    assert scheduler.prefill_seconds(1000) == pytest.approx(0.00025 * (512 + 488 * 1.512))
+    assert scheduler.prefill_seconds(0) == 0.0

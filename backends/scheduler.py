@@ -116,7 +116,7 @@ class Scheduler:
 
     def prefill_seconds(self, tokens: int) -> float | None:
         """Return what computing a prompt's first `tokens` tokens alone would take, in this scheduler's chunks at the
-        measured rate (`StepCosts.seconds_per_prompt_unit`); None before a prompt-only step was measured."""
+        measured rate (`StepCosts.seconds_per_prompt_unit`); None before a step measured it."""
         rate = self.costs.seconds_per_prompt_unit
         if rate is None:
             return None

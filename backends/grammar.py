@@ -38,7 +38,13 @@ class Constraint:
     def advance(self, token: int) -> None:
         """Follow the token picked (one `allowed` let through)."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} it had allowed: {self._matcher.get_error()}")
+            # A grammar that let a token through and cannot follow it has met one of llguidance's limits (a pattern
+            # such as `^a{1000000}$` builds too many expressions): the schema is too large for it, a fault of the
+            # request (a 400, when it happens at the first token, before the answer starts).
+            raise RequestError(
+                f"the answer cannot be held to this schema (from response_format or the tools of a required or named "
+                f"tool_choice): the grammar gave up at token {token}: {self._matcher.get_error()}; send a simpler one"
+            )
 
 
 class Grammars:

@@ -84,6 +84,8 @@ class MessageParam(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, value: Any) -> Any:
+        if value == []:
+            raise ValueError("a message's content is an empty list; send at least one content block, or a string")
         for index, block in enumerate(value if isinstance(value, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCK_TYPES:

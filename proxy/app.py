@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
@@ -662,6 +663,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         limit = request.app[SETTINGS].max_body_bytes
         message = f"the request body is larger than {limit} bytes; send a smaller one (max_body_bytes)"
         return _error_reply(request, 413, api.error_body(message, "invalid_request_error"))
+    except RequestPayloadError as error:  # a body that does not decode as its Content-Encoding says, or cut short
+        # Nothing more is read from this connection, which then closes: aiohttp would otherwise read on, meet the
+        # error again and log it, and what follows in the stream is no request.
+        request.content.feed_eof()
+        reason = str(error).strip().splitlines()[-1].strip()
+        message = f"the request body could not be read ({reason}); send it as its Content-Encoding header says"
+        reply = _error_reply(request, 400, api.error_body(message, "invalid_request_error"))
+        reply.force_close()
+        return reply
     except web.HTTPException as error:
         if error.status < 400:
             raise

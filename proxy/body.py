@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import threading
 import types
 import typing
@@ -30,6 +31,28 @@ OFF_LOOP_BYTES = 64 << 10  # smaller bodies are handled on the loop: a thread's 
 _PIECE_CHARACTERS = 1 << 20  # a top-level value longer than this is decoded item by item when it is a list
 _ITEMS = 256  # list items validated per call
 _FREED = 4096  # list items let go of per call
+_DIGITS = 1000  # the most digits an integer may have (Python's own limit, 4,300, raises an error meant for programmers)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a number or null")
+
+
+def _integer(digits: str) -> int:
+    if len(digits) > _DIGITS:
+        raise ValueError(f"an integer of {len(digits)} digits; at most {_DIGITS} are accepted")
+    return int(digits)
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is too large")
+    return number
+
+
+# Strict JSON: Python's decoder also takes NaN and Infinity, and reads 1e400 as infinity, none of which JSON can hold.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_int=_integer, parse_float=_finite)
 
 
 async def parsed(raw: bytes, model: type[_Body]) -> _Body:
@@ -100,7 +123,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
     levels, or holds text that is no text (blocking; see `parsed_object`)."""
     try:
         data = _decode(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except ValueError as error:  # json.JSONDecodeError and UnicodeDecodeError among them
         raise RequestError(f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise RequestError(f"the request body nests too deeply; at most {MAX_JSON_DEPTH} levels are accepted") from None
@@ -111,13 +134,13 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def _decode(text: str) -> Any:
-    """Return `json.loads(text)`, decoding a large object's values one by one, and a large list's items one by one."""
+    """Return the JSON value of `text`, decoding a large object's values one by one, and a large list's items one by
+    one."""
     if len(text) <= _PIECE_CHARACTERS:
-        return json.loads(text)
-    decoder = json.JSONDecoder()
+        return _DECODER.decode(text)
     at = _skip(text, 0)
     if not text.startswith("{", at):
-        return json.loads(text)  # not an object: refused as soon as it is decoded
+        return _DECODER.decode(text)  # not an object: refused as soon as it is decoded
     result: dict[str, Any] = {}
     at = _skip(text, at + 1)
     while not text.startswith("}", at):
@@ -128,23 +151,23 @@ def _decode(text: str) -> Any:
         key, at = json.decoder.scanstring(text, at + 1)  # type: ignore[attr-defined]
         at = _skip(text, _expect(text, _skip(text, at), ":"))
         if text.startswith("[", at):
-            result[key], at = _list(decoder, text, at)
+            result[key], at = _list(text, at)
         else:
-            result[key], at = decoder.raw_decode(text, at)
+            result[key], at = _DECODER.raw_decode(text, at)
         at = _skip(text, at)
     if _skip(text, at + 1) != len(text):
         raise json.JSONDecodeError("Extra data", text, _skip(text, at + 1))
     return result
 
 
-def _list(decoder: json.JSONDecoder, text: str, at: int) -> tuple[list[Any], int]:
+def _list(text: str, at: int) -> tuple[list[Any], int]:
     """Decode the list at `text[at]` item by item; return it and where it ends."""
     items: list[Any] = []
     at = _skip(text, at + 1)
     while not text.startswith("]", at):
         if items:
             at = _skip(text, _expect(text, at, ","))
-        item, at = decoder.raw_decode(text, at)
+        item, at = _DECODER.raw_decode(text, at)
         items.append(item)
         at = _skip(text, at)
     return items, at + 1

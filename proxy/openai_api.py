@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -78,10 +79,21 @@ class Message(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        for index, part in enumerate(value if isinstance(value, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part {index} is of type {kind!r}: this server takes text parts; send text")
+        return value
+
     @model_validator(mode="after")
     def _has_content(self) -> Message:
         if self.content is None and not self.tool_calls:
-            raise ValueError(f"a {self.role} message needs content")
+            article = "an" if self.role == "assistant" else "a"
+            needs = "content or tool_calls" if self.role == "assistant" else "content"
+            raise ValueError(f"{article} {self.role} message needs {needs}")
         return self
 
 
@@ -232,6 +244,10 @@ class ResponseFormat(BaseModel):
     def _has_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("name"), str):
             raise ValueError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        schema = (self.json_schema or {}).get("schema")
+        if self.type == "json_schema" and schema is not None and not isinstance(schema, dict):
+            sent = json.dumps(schema)[:40]
+            raise ValueError(f'response_format json_schema "schema" must be a JSON Schema object, not {sent}')
         return self
 
 

@@ -77,4 +77,6 @@ def _wrap(schema: dict[str, Any], parallel: bool) -> str:
     return f"start: {json_rule(whole | {'additionalProperties': False})}\n"
 
 
-FORMAT = ToolFormat("generic", Markers("{", anywhere=False, start_in_body=True), _body, _wrap)
+FORMAT = ToolFormat(
+    "generic", Markers("{", anywhere=False, start_in_body=True), _body, _wrap, call_at="/properties/tool_calls/items"
+)

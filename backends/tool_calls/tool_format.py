@@ -35,6 +35,7 @@ class ToolFormat:
     special_markers: bool = False  # its markers are special tokens: answers are decoded with special tokens kept
     arguments_key: str = "arguments"  # what a call's JSON names its arguments
     new_id: Callable[[], str] = call_id  # an id for a call the model made
+    call_at: str = ""  # where `wrap` puts a call's schema in the JSON schema it writes, a JSON pointer ("": its root)
 
     def parser(self) -> ToolCallParser:
         """Return a parser for one answer."""
@@ -42,15 +43,21 @@ class ToolFormat:
 
     def grammar(self, tools: Sequence[dict[str, Any]], *, parallel: bool) -> str:
         """Return a Lark grammar (llguidance's dialect) of answers that call only `tools`, with valid arguments."""
-        return self.wrap(call_schema(tools, self.arguments_key), parallel)
+        return self.wrap(call_schema(tools, self.arguments_key, at=self.call_at), parallel)
 
 
-def call_schema(tools: Sequence[dict[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
-    """Return the JSON schema of one call of any of `tools` (OpenAI function tools): its name and valid arguments."""
+def call_schema(tools: Sequence[dict[str, Any]], arguments_key: str = "arguments", *, at: str = "") -> dict[str, Any]:
+    """Return the JSON schema of one call of any of `tools` (OpenAI function tools): its name and valid arguments.
+
+    `at` is where the schema will sit in the JSON schema document that holds it (a JSON pointer): the tools' own
+    references (`"$ref": "#/$defs/..."`, as Pydantic writes them) are made to point at their parameters there.
+    """
     options = []
-    for tool in tools:
+    for index, tool in enumerate(tools):
         function = tool["function"]
         parameters = _closed(function.get("parameters") or {"type": "object", "properties": {}})
+        option = at if len(tools) == 1 else f"{at}/anyOf/{index}"
+        parameters = _rebased(parameters, f"{option}/properties/{arguments_key}")
         options.append(
             {
                 "type": "object",
@@ -60,6 +67,20 @@ def call_schema(tools: Sequence[dict[str, Any]], arguments_key: str = "arguments
             }
         )
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """Return the schema with each of its local references (`#`, `#/...`) made to point at it where it sits, `at`, a
+    JSON pointer into the schema that holds it."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: _rebased(value, at) for key, value in schema.items()}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and (reference == "#" or reference.startswith("#/")):
+        rebased["$ref"] = "#" + at + reference[1:]
+    return rebased
 
 
 def _closed(schema: Any) -> Any:

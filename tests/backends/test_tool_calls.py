@@ -201,6 +201,47 @@ async def test_a_required_or_named_call_from_a_random_model_is_valid_in_its_fami
         await engine.close()
 
 
+@pytest.mark.parametrize(("template", "tool_format"), FAMILIES, ids=[f.name for _, f in FAMILIES])
+async def test_a_required_call_follows_tools_whose_schemas_refer_to_their_own_definitions(
+    template: str, tool_format: ToolFormat
+) -> None:
+    # As Pydantic writes them: `$defs` beside the properties and `$ref`s to `#/$defs/...`, in each of two tools.
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+                    "required": ["place", "unit"],
+                    "$defs": {"Place": {"type": "string", "maxLength": 8}, "Unit": {"enum": ["c", "f"]}},
+                },
+            },
+        }
+        for name in ("get_weather", "get_time")
+    ]
+    engine, _ = engine_on(template)
+    try:
+        assert engine.backend.tool_format is tool_format
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):  # a random model: one call
+            request = PromptRequest(
+                SamplingParams(max_tokens=120, temperature=0.0),
+                messages=[{"role": "user", "content": "Forecast for Paris?"}],
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=False,
+            )
+            generation = await engine.generate(request)
+            async with generation:
+                whole = assemble([chunk async for chunk in generation])
+            assert generation.finish_reason == "tool_calls" and whole.tool_calls, whole
+            for call in whole.tool_calls:
+                jsonschema.validate(json.loads(call.arguments), tools[0]["function"]["parameters"])
+    finally:
+        await engine.close()
+
+
 async def test_a_json_schema_answer_from_a_random_model_is_valid() -> None:
     engine, _ = engine_on(HERMES_TEMPLATE)
     schema = {

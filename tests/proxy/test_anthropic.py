@@ -108,6 +108,7 @@ async def test_system_blocks_with_breakpoints_are_taken_and_checked_as_anthropic
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "text, tool_use and tool_result content blocks",
         ),
+        ({"messages": [{"role": "user", "content": []}]}, "content is an empty list; send at least one content block"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "unknown field"),
         ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
         ({"tool_choice": {"type": "tool"}}, 'needs "name", the tool to call'),

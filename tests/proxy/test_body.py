@@ -20,7 +20,7 @@ from prefixgate.proxy.openai_api import ChatCompletionRequest
 from tests.proxy.conftest import HANG_GUARD_SECONDS, MODEL, Serve
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -48,6 +48,23 @@ def test_broken_json_in_pieces_is_refused_as_json_loads_refuses_it(text: str) ->
         json.loads(large)
     with pytest.raises(RequestError, match="not valid JSON"):
         json_object(large.encode())
+
+
+@pytest.mark.parametrize("padding", [0, 2 << 20])  # decoded in one piece, and in pieces
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("NaN", "NaN is not a JSON number"),
+        ("-Infinity", "-Infinity is not a JSON number"),
+        ("[1, Infinity]", "Infinity is not a JSON number"),
+        ("9" * 5000, "an integer of 5000 digits; at most 1000"),
+        ("-1e400", "the number -1e400 is too large"),
+    ],
+)
+def test_numbers_json_has_not_are_refused_with_what_to_send(value: str, says: str, padding: int) -> None:
+    text = '{"padding": "' + "x" * padding + '", "temperature": ' + value + "}"
+    with pytest.raises(RequestError, match=f"not valid JSON: {says}"):
+        json_object(text.encode())
 
 
 def test_a_long_list_validated_in_pieces_names_the_item_at_fault_by_its_place_in_the_whole() -> None:

@@ -207,6 +207,46 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         None,
         "cannot be held to this schema",
     ),
+    (
+        "a schema too large for the grammar engine",
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a{1000000}$"}},
+            }
+        ),
+        400,
+        None,
+        "send a simpler one",
+    ),
+    (
+        "a schema that is no object",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": False}}),
+        400,
+        "response_format",
+        "must be a JSON Schema object, not false",
+    ),
+    (
+        "NaN for a number",
+        json.dumps(chat()).replace('"temperature": 0', '"temperature": NaN').encode(),
+        400,
+        None,
+        "NaN is not a JSON number",
+    ),
+    (
+        "an image",
+        chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]),
+        400,
+        "messages.1.content",
+        "content part 0 is of type 'image_url': this server takes text parts",
+    ),
+    (
+        "an assistant turn of nothing",
+        chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": []}]),
+        400,
+        "messages.1",
+        "an assistant message needs content or tool_calls",
+    ),
     ("unknown retention", chat(prompt_cache_retention="1w"), 400, "prompt_cache_retention", "'in_memory' or '24h'"),
     ("seventeen stop strings", chat(stop=[f"stop {i}" for i in range(17)]), 400, "stop", "at most 16 stop strings"),
     ("a stop string of 257 characters", chat(stop=["x" * 257]), 400, "stop", "at most 256 characters"),
@@ -263,6 +303,10 @@ async def test_errors_for_unknown_model_large_body_and_unknown_route(serve: Serv
     assert "larger than 4096 bytes" in (await response.json())["error"]["message"]
     response = await client.get("/v1/nothing-here")
     assert response.status == 404 and "error" in await response.json()
+    gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    response = await client.post("/v1/chat/completions", data=json.dumps(chat()).encode(), headers=gzip)
+    assert response.status == 400 and response.headers["Connection"] == "close"
+    assert "decode content-encoding: gzip" in (await response.json())["error"]["message"]
 
 
 async def test_the_server_stays_healthy_after_every_bad_input(serve: Serve) -> None:

@@ -43,7 +43,8 @@ class Constraint:
             # request (a 400, when it happens at the first token, before the answer starts).
             raise RequestError(
                 f"the answer cannot be held to this schema (from response_format or the tools of a required or named "
-                f"tool_choice): the grammar gave up at token {token}: {self._matcher.get_error()}; send a simpler one"
+                f"tool_choice): the grammar gave up at token {token}: {_first_line(self._matcher.get_error())}; send "
+                "a simpler one"
             )
 
 
@@ -62,7 +63,7 @@ class Grammars:
         if matcher.is_error():
             raise RequestError(
                 f"the answer cannot be held to this schema (from response_format or the tools of a required or named "
-                f"tool_choice): {matcher.get_error()}"
+                f"tool_choice): {_first_line(matcher.get_error())}"
             )
         return Constraint(matcher)
 
@@ -76,3 +77,8 @@ class Grammars:
                     )
                 self._compiled = llguidance.hf.from_tokenizer(self._tokenizer)
             return self._compiled
+
+
+def _first_line(error: str) -> str:
+    """Return what llguidance says went wrong, without the grammar and parser state it prints after it."""
+    return error.strip().splitlines()[0][:500] if error.strip() else "no reason given"

@@ -207,7 +207,8 @@ class UpstreamPool:
         try:
             async with self._check_session.get(f"{upstream.url}/models", headers=self._headers(upstream)) as response:
                 if response.status != 200:
-                    raise UpstreamError(f"upstream {upstream.url} answered /models with {response.status}")
+                    hint = "" if upstream.url.endswith("/v1") else f" (is its API under {upstream.url}/v1?)"
+                    raise UpstreamError(f"upstream {upstream.url} answered /models with {response.status}{hint}")
                 listing = await response.json()
             return [str(entry["id"]) for entry in listing["data"]]
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:

@@ -368,13 +368,17 @@ async def _stream(
     rid = generation.request_id
     kind = "chat.completion.chunk" if chat else "text_completion"
 
+    offset = 0  # the characters of the tokens with log probabilities sent so far: a text chunk's text_offset
+
     def chunk(
         token: TokenChunk | None, finish_reason: str | None = None, stop: str | None = None, *, role: bool = False
     ) -> dict[str, Any]:
+        nonlocal offset
         logprobs = token.logprobs if token is not None else ()
         if not chat:
             text = token.text if token is not None else ""
-            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs)
+            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs, offset)
+            offset += sum(len(entry.token) for entry in logprobs)
         else:
             delta = api.chat_delta(token) if token is not None else {}
             delta = {"role": "assistant", "content": ""} if role else delta

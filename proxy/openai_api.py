@@ -44,8 +44,9 @@ _EXTENSIONS = (
 
 
 class Strict(BaseModel):
-    # An unknown field is an error: silently ignoring one could change the answer without the client knowing.
-    model_config = ConfigDict(extra="forbid")
+    # An unknown field is an error: silently ignoring one could change the answer without the client knowing. So is a
+    # value of the wrong type (`"max_tokens": "2"`, `"stream": "false"`), as OpenAI and Anthropic refuse it.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(Strict):
@@ -474,14 +475,16 @@ def text_chunk(
     finish_reason: str | None,
     stop_reason: str | None = None,
     logprobs: tuple[TokenLogprob, ...] = (),
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """Return one streamed text_completion chunk; `stop_reason` as in `chat_completion`."""
+    """Return one streamed text_completion chunk; `stop_reason` as in `chat_completion`; `offset`: the characters of
+    the answer's tokens in the chunks before (where this chunk's `text_offset` counts from)."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs)],
+        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs, offset)],
     }
 
 
@@ -521,22 +524,23 @@ def error_body(message: str, error_type: str, *, param: str | None = None, code:
 
 
 def _text_choice(
-    text: str, finish_reason: str | None, stop_reason: str | None, logprobs: tuple[TokenLogprob, ...]
+    text: str, finish_reason: str | None, stop_reason: str | None, logprobs: tuple[TokenLogprob, ...], offset: int = 0
 ) -> dict[str, Any]:
     return {
         "index": 0,
         "text": text,
-        "logprobs": _text_logprobs(logprobs),
+        "logprobs": _text_logprobs(logprobs, offset),
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
 
 
-def _text_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
-    """Return the completions API's logprobs columns (its `text_offset` counts from the answer's start)."""
+def _text_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int = 0) -> dict[str, Any] | None:
+    """Return the completions API's logprobs columns; `text_offset` counts from the answer's start, where the first
+    of these tokens is at `offset`."""
     if not logprobs:
         return None
-    offsets = [0]
+    offsets = [offset]
     for entry in logprobs[:-1]:
         offsets.append(offsets[-1] + len(entry.token))
     return {

@@ -23,18 +23,18 @@ _Text = TypeVar("_Text", bound=api.CompletionRequest)
 class FlushRequest(BaseModel):
     """A POST /admin/cache/flush body: everything, one tier, or one tenant."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     tier: str | None = None
     tenant: str | None = None
 
 
 class _Acting(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     tenant: str | None = None  # whom the warm or explain acts for
 
 
 class _Keeping(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     pinned: bool = False
     ttl: float | None = Field(None, gt=0)  # seconds from now
 

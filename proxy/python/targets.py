@@ -184,7 +184,12 @@ class ServerTarget:
         try:
             body = await response.json(content_type=None)
         except (aiohttp.ClientError, ValueError):
-            body = {"error": {"message": (await response.text())[:200] or response.reason}}
+            body = None
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):  # a web page, or nothing
+            message = (
+                f"HTTP {response.status} {response.reason} with no OpenAI error; is {self.url} a prefixgate server?"
+            )
+            body = {"error": {"message": message}}
         raise _error(response.status, body, self.url)
 
     async def _json(self, response: aiohttp.ClientResponse) -> dict[str, Any]:

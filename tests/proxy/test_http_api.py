@@ -233,6 +233,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         None,
         "NaN is not a JSON number",
     ),
+    ("max_tokens as text", chat(max_tokens="2"), 400, "max_tokens", "valid integer"),
+    ("max_tokens as a decimal", chat(max_tokens=2.0), 400, "max_tokens", "valid integer"),
+    ("stream as text", chat(stream="false"), 400, "stream", "valid boolean"),
     (
         "an image",
         chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]),

@@ -56,6 +56,12 @@ async def test_greedy_logprobs_name_the_chosen_token_first_with_its_probability(
     assert columns is not None and columns.tokens is not None and len(columns.tokens) == 5
     assert columns.top_logprobs is not None and all(len(top) <= 2 for top in columns.top_logprobs)
     assert columns.token_logprobs == [max(top.values()) for top in columns.top_logprobs]
+    # Streamed, each chunk's text_offset goes on from the chunks before: the columns of the whole answer, in pieces.
+    stream = await client.completions.create(
+        model=MODEL, prompt=SYSTEM, max_tokens=5, temperature=0, logprobs=2, stream=True
+    )
+    pieces = [chunk.choices[0].logprobs async for chunk in stream if chunk.choices and chunk.choices[0].logprobs]
+    assert [offset for piece in pieces for offset in piece.text_offset or ()] == columns.text_offset
     plain = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None  # only when asked
 

@@ -278,3 +278,6 @@ async def test_the_upstreams_must_answer_and_serve_the_model_at_start(front: Fro
         await front(upstreams, model="gpt-4o")
     with pytest.raises(ConfigError, match="no upstream answers"):
         await front([f"http://127.0.0.1:{free_port()}/v1"])
+    without = upstreams[0].removesuffix("/v1")
+    with pytest.raises(ConfigError, match=rf"answered /models with 404 \(is its API under {without}/v1\?\)"):
+        await front([without])

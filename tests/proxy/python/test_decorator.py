@@ -308,6 +308,21 @@ def test_a_server_error_becomes_a_request_error_with_the_servers_message(server:
         assert caught.value.param == "model"
 
 
+@pytest.mark.parametrize("body", [b"", b"<html>Not Found</html>"])
+def test_an_address_that_is_no_prefixgate_server_says_so(body: bytes) -> None:
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, body=body, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    other = ServerThread(app)
+    try:
+        with pytest.raises(RequestError, match=f"HTTP 404 Not Found with no OpenAI error; is {other.url} a prefixgate"):
+            PromptCache.connect(other.url)
+    finally:
+        other.stop()
+
+
 def test_an_unreachable_server_is_a_server_error() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

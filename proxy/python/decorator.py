@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, Unpack
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic reads its annotations on Python 3.11
 
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
@@ -29,6 +30,7 @@ Prompt = str | Sequence[Mapping[str, Any]]
 """What a decorated function returns: chat messages (`[{"role": ..., "content": ...}, ...]`) or a prompt string."""
 
 
+@with_config(ConfigDict(strict=True))  # `max_tokens="2"` or `True` is a mistake to report, not a value to convert
 class Options(TypedDict, total=False):
     """Generation options of a decorated function; each one left out keeps its current value."""
 
@@ -118,6 +120,12 @@ class GenerationOptions:
             raise TypeError(
                 f"unknown option {', '.join(map(repr, unknown))}; the options are: {', '.join(Options.__annotations__)}"
             )
+        try:
+            _OPTIONS.validate_python(options)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            name = str(problem["loc"][0])
+            raise TypeError(f"option {name}={options[name]!r}: {problem['msg']}") from None  # type: ignore[literal-required]
         changes: dict[str, Any] = dict(options)
         if isinstance(changes.get("stop"), str):
             changes["stop"] = (changes["stop"],)
@@ -167,3 +175,4 @@ def resolve_options(**options: Unpack[Options]) -> GenerationOptions:
 _SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))
 _DEFAULTS = GenerationOptions(SamplingParams(max_tokens=DEFAULT_MAX_TOKENS))
 _MESSAGES = TypeAdapter(list[Message])
+_OPTIONS = TypeAdapter(Options)

@@ -189,6 +189,8 @@ class _Decorator:
     @overload
     def __call__(self, function: Callable[P, Prompt], /) -> CachedFunction[P]: ...
     def __call__(self, function: Callable[P, Any], /) -> CachedFunction[P] | AsyncCachedFunction[P]:
+        if not callable(function):
+            raise TypeError(f"cached() decorates a function that returns a prompt, not {type(function).__name__}")
         if inspect.iscoroutinefunction(function):
             return AsyncCachedFunction(self._cache, function, self._options)
         return CachedFunction(self._cache, function, self._options)

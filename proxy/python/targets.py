@@ -86,6 +86,12 @@ class ServerTarget:
         cls, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float | None = 600.0
     ) -> ServerTarget:
         """Open a session to the server at `url`; with no `model`, use the one the server serves."""
+        if not isinstance(url, str):
+            raise TypeError(
+                f"connect() takes the server's URL as a string, such as 'http://127.0.0.1:8000', not {url!r}"
+            )
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout is in seconds and must be more than 0 (or None for none), not {timeout!r}")
         # An OpenAI-style base URL ends in /v1; accept both spellings, since users copy either.
         base = url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -370,6 +370,35 @@ def test_unknown_option_names_and_bad_values_fail_at_decoration(cache: PromptCac
         cache.cached(cache_salt="")
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"max_tokens": "5"}, "option max_tokens='5': Input should be a valid integer"),
+        ({"max_tokens": True}, "option max_tokens=True: Input should be a valid integer"),
+        ({"temperature": "hot"}, "option temperature='hot': Input should be a valid number"),
+        ({"stop": 5}, "option stop=5: Input should be a valid string"),
+        ({"cache_salt": 5}, "option cache_salt=5"),
+        ({"layout": "no"}, "option layout='no': Input should be a valid boolean"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_named_at_decoration(
+    cache: PromptCache, options: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(TypeError, match=says):
+        cache.cached(**options)
+    with pytest.raises(TypeError, match=says):
+        cache.cached(**GREEDY)(chat).with_options(**options)
+
+
+def test_what_is_no_function_or_no_address_is_refused_with_what_to_pass(cache: PromptCache) -> None:
+    with pytest.raises(TypeError, match="cached\\(\\) decorates a function that returns a prompt, not int"):
+        cache.cached(5)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="takes the server's URL as a string"):
+        PromptCache.connect(8000)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout is in seconds and must be more than 0"):
+        PromptCache.connect("http://127.0.0.1:8000", timeout=-1)
+
+
 def test_a_closed_cache_refuses_calls_and_bad_settings_fail_to_open(cache: PromptCache, tmp_path: Path) -> None:
     ask = cache.cached(**GREEDY)(chat)
     cache.close()

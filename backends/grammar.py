@@ -81,4 +81,5 @@ class Grammars:
 
 def _first_line(error: str) -> str:
     """Return what llguidance says went wrong, without the grammar and parser state it prints after it."""
-    return error.strip().splitlines()[0][:500] if error.strip() else "no reason given"
+    lines = error.strip().splitlines()
+    return lines[0][:500] if lines else "no reason given"

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from prefixgate.backends import amx_attention
+
 NAME = "prefixgate_packed"
 _SPLIT_TOKENS = 1024  # shared prefixes at least this long are attended in halves on a CPU (see _attend_prefix)
 _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions attends to them grouped (_attend_chunk)
@@ -251,11 +253,14 @@ def _attend_chunk(
     after 8k positions and 1 to 20% less after 4k, but up to 18% more after 1k, hence `_GROUPED_CONTEXT`.
     """
     _, heads, length, head_dim = queries.shape
+    mask = _mask(start, length, start, start + length, None, queries.device)
+    out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
+    if amx_attention.applies(queries, context):
+        amx_attention.attend_into(queries, context, scale, out, lse)
+        return out, lse
     kv_heads = context.shape[1]
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * length, head_dim)
     parts, part_lses = _attend_prefix(grouped, context, scale)
-    mask = _mask(start, length, start, start + length, None, queries.device)
-    out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
     outs = torch.cat((out, parts.reshape(-1, heads, length, head_dim)))
     return _merge(outs, torch.cat((lse, part_lses.reshape(-1, heads, length))))
 
@@ -277,6 +282,14 @@ def _add_shared(
         kv_heads = runs[0].shape[1]
         rows = readers.rows
         picked = query[:, :, rows]  # picked: [1, heads, rows, head_dim]
+        if amx_attention.applies(query, runs[0]):
+            # Merged into the readers' rows in place: views of `out` and `lse` when the rows are side by side.
+            own, own_lse = out[:, :, rows], lse[:, :, rows]
+            for kv in runs:
+                amx_attention.attend_into(picked, kv, scale, own, own_lse)
+            if not isinstance(rows, slice):
+                out[:, :, rows], lse[:, :, rows] = own, own_lse
+            continue
         count = picked.shape[2]
         # Query heads are grouped by the KV head they read (head h reads KV head h // groups): as rows of one matrix
         # per KV head, every reader's queries meet each shared key once.

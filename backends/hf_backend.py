@@ -20,7 +20,7 @@ import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from prefixgate.backends import sequence
+from prefixgate.backends import amx_attention, sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
 from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
@@ -134,6 +134,8 @@ class HFBackend:
         self._prefixes: SharedPrefixes | None = None
         if self._buffers is not None and self.sharing_refusal is None:
             self._prefixes = SharedPrefixes(block_size, min_tokens=min_shared_tokens)
+            if self.device.type == "cpu" and model.dtype == torch.bfloat16:
+                amx_attention.prepare()  # so that no step waits for it to be built
         scheduler = Scheduler(
             chunk_tokens=prefill_chunk_tokens,
             interleaved_tokens=interleaved_prefill_tokens or prefill_chunk_tokens,

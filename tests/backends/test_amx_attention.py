@@ -1,0 +1,197 @@
+"""The AMX kernel for shared prefixes: built by the machine's compiler, exact to float32 scores, never required."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from prefixgate.backends import amx_attention
+from prefixgate.backends import attention as attention_module
+from prefixgate.backends.model_runner import ModelRunner, StepInput
+from tests.backends.conftest import BackendFactory
+from tests.backends.streams import collect
+from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.test_shared_prefix import prefix_blocks, run_shared, shared_backend
+from tests.backends.tiny_models import make_llama
+
+needs_kernel = pytest.mark.skipif(
+    amx_attention._library() is None, reason="the AMX kernel does not run here (see the log for why)"
+)
+
+
+def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[Any, Any]:
+    """Attention in float64 of queries `[1, heads, count, d]` over keys and values `[kv_heads, tokens, d]` (query head
+    j reading KV head j // groups): `[1, heads, count, d]` and its log-sum-exp, `[1, heads, count]`."""
+    groups = queries.shape[1] // keys.shape[0]
+    keys, values = keys.double().repeat_interleave(groups, 0), values.double().repeat_interleave(groups, 0)
+    scores = queries.double() @ keys.transpose(-2, -1).unsqueeze(0) * scale
+    return torch.softmax(scores, dim=-1) @ values.unsqueeze(0), torch.logsumexp(scores, dim=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "count", "tokens", "head_dim"),
+    [
+        (9, 3, 8, 4096, 64),  # SmolLM2, 8 decoding streams on a 4k-token prefix: 24 rows per KV head
+        (9, 3, 5, 1000, 64),  # keys that end inside a run of 256, a pair and a tile
+        (4, 2, 65, 300, 64),  # 130 rows per KV head: past a block of 64, and a last tile of 2 rows
+        (1, 1, 1, 1, 64),  # one key
+        (4, 2, 7, 77, 128),  # a wider head
+    ],
+)
+def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
+    heads: int, kv_heads: int, count: int, tokens: int, head_dim: int
+) -> None:
+    torch.manual_seed(0)
+    scale = head_dim**-0.5
+    queries = torch.randn(1, heads, count, head_dim).bfloat16()
+    kv = (torch.randn(2, kv_heads, tokens + 40, head_dim) * 2).bfloat16()  # wide scores: softmax far from uniform
+    prefix, own = kv[:, :, :tokens], kv[:, :, tokens:]  # the shared keys, and the request's own 40
+    held, held_lse = reference(queries, own[0], own[1], scale)  # what the step holds before the kernel runs
+    out, lse = held.bfloat16(), held_lse.float()
+    expected, expected_lse = reference(queries, kv[0], kv[1], scale)  # over both at once
+    assert amx_attention.applies(queries, prefix)
+    amx_attention.attend_into(queries, prefix, scale, out, lse)
+    # Scores are exact products summed in float32; the error is bfloat16's, in the probabilities and the output.
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+
+
+@needs_kernel
+def test_queries_and_outputs_are_read_and_written_where_their_strides_say() -> None:
+    torch.manual_seed(0)
+    kv = torch.randn(2, 3, 2048, 64).bfloat16()
+    queries = torch.randn(1, 12, 9, 64).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)[:, :, 1:8]
+    out = torch.zeros(1, 7, 12, 64).bfloat16().transpose(1, 2)  # [1, heads, count, d] stored position-major
+    lse = torch.full((1, 12, 20), float("-inf"))[:, :, ::3][:, :, :7]  # every third: nothing held there yet
+    untouched = lse.clone()
+    amx_attention.attend_into(queries, kv, 0.125, out, lse)
+    expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+    assert not torch.equal(lse, untouched)
+
+
+@needs_kernel
+def test_a_shared_prefix_in_bfloat16_is_attended_by_the_kernel_as_by_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    prefix = torch.randn(1, 2, 3, 2048, 64).bfloat16()  # [layers, 2, kv_heads, positions, head_dim]
+    query = torch.randn(1, 9, 6, 64).bfloat16()
+    out, lse = torch.randn(1, 9, 6, 64).bfloat16(), torch.randn(1, 9, 6)  # the rows' own attention
+    for rows in (slice(1, 4), torch.tensor([0, 2, 5])):  # readers side by side, and not
+        readers = (attention_module.SharedReaders((prefix,), rows),)
+        merged = attention_module._add_shared(query, out.clone(), lse.clone(), readers, 0, 0.125)
+        with monkeypatch.context() as patched:
+            patched.setattr(amx_attention, "_library", lambda: None)
+            flash = attention_module._add_shared(query, out.clone(), lse.clone(), readers, 0, 0.125)
+        torch.testing.assert_close(merged, flash, atol=2e-2, rtol=2**-7)
+        others = [i for i in range(6) if i not in torch.arange(6)[rows].tolist()]
+        assert torch.equal(merged[:, :, others], out[:, :, others])  # rows that do not read it are left alone
+
+
+@needs_kernel
+async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give_alone(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Heads of 64, the kernel's. In bfloat16 every path rounds in its own places, so greedy tokens agree only away
+    # from near-ties: seed 0 has one at the sixth token (float32 logits 6.52 against 6.29, bfloat16 ones within a
+    # unit of 0.03) that the one buffer and the kernel resolve differently; seed 1 has none.
+    model = make_llama(tokenizer, head_dim=64, seed=1).to(torch.bfloat16)
+    backend = shared_backend(make_backend, model=model)
+    prompt = make_prompt(60)
+    alone = (await collect(backend, prompt)).token_ids
+    blocks = await prefix_blocks(backend, prompt)
+    attend, keys_attended = amx_attention.attend_into, []
+
+    def counted(queries: torch.Tensor, kv: torch.Tensor, *rest: Any) -> None:
+        keys_attended.append(kv.shape[2])
+        attend(queries, kv, *rest)
+
+    monkeypatch.setattr(amx_attention, "attend_into", counted)
+    assert await run_shared(backend, prompt, blocks[:6]) == alone
+    # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each.
+    assert keys_attended and set(keys_attended) == {3 * 8}
+
+
+@needs_kernel
+def test_a_decode_step_on_a_shared_prefix_gives_the_logits_of_one_buffer(tokenizer: PreTrainedTokenizerFast) -> None:
+    model = make_llama(tokenizer, head_dim=64).to(torch.bfloat16)
+    model.set_attn_implementation(attention_module.NAME)
+    runner = ModelRunner(model)
+    prompt = make_prompt(300)
+    shape = (2, 2, 2, 320, 64)  # [layers, 2, kv_heads, positions, head_dim]
+    whole = torch.zeros(shape, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        runner.run([StepInput(prompt[:299], whole, 0)])
+        prefix = whole[:, :, :, :256].clone()
+        own = torch.zeros(shape, dtype=torch.bfloat16)
+        own[:, :, :, : 299 - 256] = whole[:, :, :, 256:299]
+        logits = runner.run([StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)])
+    # The model runs in bfloat16 and the two paths round at different places: a few of its units at the logits' size
+    # (torch's flash kernel on the shared prefix lands 2.5 units from the one buffer here, the AMX kernel 2.25).
+    unit = 2.0 ** (torch.floor(torch.log2(logits[1].abs().max())) - 7)
+    torch.testing.assert_close(logits[0], logits[1], atol=4 * unit.item(), rtol=0)
+    assert logits[0].argmax() == logits[1].argmax()
+
+
+def test_float32_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
+    assert not amx_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64))  # float32
+    assert not amx_attention.applies(torch.randn(1, 3, 4, 16).bfloat16(), torch.randn(2, 3, 64, 16).bfloat16())
+
+
+def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    if amx_attention._unavailable() not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
+        pytest.skip(f"the kernel cannot run on this machine anyway: {amx_attention._unavailable()}")
+    monkeypatch.setattr(amx_attention, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with caplog.at_level(logging.INFO, logger=amx_attention.__name__):
+        assert amx_attention._library.__wrapped__() is None
+    assert "torch's flash kernel: the AMX kernel building it failed" in caplog.text
+    assert not list(tmp_path.glob("*.so"))
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(amx_attention.shutil, "which", lambda name: None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=amx_attention.__name__):
+        assert amx_attention._library.__wrapped__() is None
+    assert "needs a C compiler: none found as $CC, cc or gcc" in caplog.text
+
+
+@needs_kernel
+def test_the_kernel_is_built_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(amx_attention, "kernel_dir", lambda: tmp_path)
+    assert amx_attention._library.__wrapped__() is not None
+    (built,) = tmp_path.glob("amx_attention-*.so")
+    stamp = built.stat().st_mtime_ns
+    assert amx_attention._library.__wrapped__() is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("amx_attention-*.so")] == [stamp]
+
+
+@needs_kernel
+def test_torchs_own_users_of_the_matrix_tiles_run_as_before_between_kernel_calls() -> None:
+    # The kernel sets the tiles up and releases them on each of its threads; torch's flash kernel and oneDNN's
+    # products set them up their own way on the same threads. Interleaved, each gives what it gave alone.
+    torch.manual_seed(0)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k, v = (torch.randn(1, 8, n, 64).bfloat16() for n in (256, 2048, 2048))
+    x, w = torch.randn(256, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    kv, queries = torch.randn(2, 3, 2048, 64).bfloat16(), torch.randn(1, 9, 8, 64).bfloat16()
+
+    def kernel() -> torch.Tensor:
+        out, lse = torch.zeros(1, 9, 8, 64).bfloat16(), torch.full((1, 9, 8), float("-inf"))
+        amx_attention.attend_into(queries, kv, 0.125, out, lse)
+        return out
+
+    with torch.inference_mode():
+        alone = flash(q, k, v, 0.0, False)[0].clone(), torch.nn.functional.linear(x, w), kernel()
+        for _ in range(10):
+            assert torch.equal(flash(q, k, v, 0.0, False)[0], alone[0])
+            assert torch.equal(kernel(), alone[2])
+            assert torch.equal(torch.nn.functional.linear(x, w), alone[1])
+            assert torch.equal(kernel(), alone[2])

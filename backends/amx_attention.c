@@ -1,11 +1,12 @@
-/* Attention of many queries over keys they all see (a shared prefix), on CPUs with AMX: see amx_attention.py.
+/* A packed step's attention on CPUs with AMX: see amx_attention.py.
 
    Work is shared out by KV head and run of keys. Each item packs 256 keys at a time (K transposed for the score tiles,
    V with the keys of each pair interleaved for the output tiles), so every key and value is read from memory once a
    call, then attends every query row to them in tiles of 16 rows: scores in float32 from bfloat16 products, softmax in
-   float32, probabilities rounded to bfloat16 for the product with V (as torch's flash kernel does). An item keeps an
-   unnormalised output, the max of the scores and the sum of their exponentials for each row; at the end they merge
-   across items and into the attention the caller holds over other keys (the request's own), by log-sum-exp. */
+   float32, probabilities rounded to bfloat16 for the product with V (as torch's flash kernel does). A row sees every
+   key, or causally those up to its own position. An item keeps an unnormalised output, the max of the scores and the
+   sum of their exponentials for each row; at the end they merge across items and into the attention the caller holds
+   over other keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -40,7 +41,8 @@ static void configure_tiles(void) {  /* all eight tiles 16 rows of 64 bytes */
     _tile_loadconfig(&config);
 }
 
-static inline __m512 exp512(__m512 x) {  /* e^x to float32 precision, for x <= 0 */
+static inline __m512 exp512(__m512 x) {  /* e^x to float32 precision for x <= 0; 0 below -87 (and for -inf) */
+    const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -52,7 +54,7 @@ static inline __m512 exp512(__m512 x) {  /* e^x to float32 precision, for x <= 0
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(above, _mm512_scalef_ps(p, n));
 }
 
 static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
@@ -128,15 +130,16 @@ typedef struct {
     float *lse;
     int64_t q_head, q_row, out_head, out_row, lse_head, lse_row;
     int64_t groups, count;  /* query heads per KV head, and rows per query head */
+    int64_t causal_from;    /* -1: every row sees every key; else row p sees keys [0, causal_from + p] */
 } rows_of;
 
 /* Query row i of KV head h's grouped rows (query head h * groups + i / count, position i % count). */
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
-/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys: into w->out, w->max
-   and w->sum. */
-static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t n, int64_t d, float scale,
-                         scratch *w) {
+/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
+   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
+static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
+                         float scale, scratch *w) {
     const int64_t tiles = (count + 15) / 16, slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;
@@ -160,9 +163,21 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
     const __m512 factor = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
     for (int64_t r = 0; r < count; r++) {
         float *row = w->scores + r * KEYS;
+        int64_t visible = n;  /* the keys this row sees in the chunk */
+        if (x->causal_from >= 0) {
+            const int64_t last = x->causal_from + (r0 + r) % x->count - t0;  /* its last key, from the chunk's first */
+            visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
+        }
+        if (visible == 0) {
+            memset(w->probabilities + r * KEYS, 0, sizeof(uint16_t) * padded);
+            w->max[r] = -INFINITY;
+            w->sum[r] = 0.0f;
+            continue;
+        }
         __m512 top = none;
         for (int64_t i = 0; i < padded; i += 16) {
-            const __mmask16 seen = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i > 0 ? n - i : 0)) - 1);
+            const int64_t left = visible - i;
+            const __mmask16 seen = left >= 16 ? 0xffff : (__mmask16)((1u << (left > 0 ? left : 0)) - 1);
             const __m512 x = _mm512_mask_mul_ps(none, seen, _mm512_load_ps(row + i), factor);
             _mm512_store_ps(row + i, x);
             top = _mm512_max_ps(top, x);
@@ -213,12 +228,13 @@ static void merge_block(const scratch *w, int64_t count, int64_t d, int first, f
     for (int64_t r = 0; r < count; r++) {
         const float *block = w->out + r * d;
         float *row = acc + r * d;
-        if (first) {
+        if (first || max[r] == -INFINITY) {  /* nothing merged yet, or nothing seen yet */
             memcpy(row, block, sizeof(float) * d);
             max[r] = w->max[r];
             sum[r] = w->sum[r];
             continue;
         }
+        if (w->max[r] == -INFINITY) continue;  /* the row saw none of the block's keys */
         const float most = fmaxf(max[r], w->max[r]), old = expf(max[r] - most), new = expf(w->max[r] - most);
         const __m512 a = _mm512_set1_ps(old), b = _mm512_set1_ps(new);
         for (int64_t x = 0; x < d; x += 16)
@@ -235,14 +251,17 @@ static __thread int64_t thread_parts_size;
 /* Attend each query row to keys and values [kv_heads, tokens, d] and merge that, by log-sum-exp, into the attention
    over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and
    out are bfloat16 rows of d contiguous elements, lse float32, each placed by its strides (in elements); keys and
-   values bfloat16, rows of d contiguous, KV heads k_stride and v_stride apart. Returns 0, -1 for sizes it does not
-   take, -2 when memory ran out (nothing written then). */
+   values bfloat16, rows of d contiguous, KV heads k_stride and v_stride apart. With causal_from -1 every query sees
+   every key; otherwise query p sees keys [0, causal_from + p] (a prompt's new tokens after causal_from others). A
+   held lse of -infinity holds nothing: out is then only written. Returns 0, -1 for sizes it does not take, -2 when
+   memory ran out (nothing written then). */
 int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, const uint16_t *k, const uint16_t *v,
                            int64_t k_stride, int64_t v_stride, int64_t kv_heads, int64_t groups, int64_t count,
                            int64_t tokens, int64_t d, float scale, uint16_t *out, int64_t out_head, int64_t out_row,
-                           float *lse, int64_t lse_head, int64_t lse_row) {
+                           float *lse, int64_t lse_head, int64_t lse_row, int64_t causal_from) {
     if (d % 64 || d > MAX_DIM || tokens < 1 || count < 1 || groups < 1 || kv_heads < 1) return -1;
-    const rows_of x = {q, out, lse, q_head, q_row, out_head, out_row, lse_head, lse_row, groups, count};
+    if (causal_from >= tokens) return -1;
+    const rows_of x = {q, out, lse, q_head, q_row, out_head, out_row, lse_head, lse_row, groups, count, causal_from};
     const int64_t rows = groups * count;  /* per KV head */
     const int64_t chunks = (tokens + KEYS - 1) / KEYS, splits = chunks < MAX_SPLITS ? chunks : MAX_SPLITS;
     const int64_t items = kv_heads * splits, stride = rows * (d + 2);
@@ -274,7 +293,7 @@ int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, con
                 pack(k + h * k_stride + t0 * d, v + h * v_stride + t0 * d, n, d, w);
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
-                    attend_block(&x, h, r0, block, n, d, scale, w);
+                    attend_block(&x, h, r0, block, t0, n, d, scale, w);
                     merge_block(w, block, d, c == first, acc + r0 * d, max + r0, sum + r0);
                 }
             }
@@ -290,11 +309,12 @@ int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, con
                 uint16_t *held = out + head * out_head + p * out_row;
                 float most = *held_lse;
                 for (int64_t s = 0; s < splits; s++) most = fmaxf(most, base[s * stride + rows * d + r]);
-                const float own = expf(*held_lse - most);
+                /* held -infinity: nothing held, and `held` is not read (it may be uninitialised memory) */
+                const float own = *held_lse == -INFINITY ? 0.0f : expf(*held_lse - most);
                 float total = own;
                 float merged[MAX_DIM] __attribute__((aligned(64)));
                 for (int64_t c = 0; c < d; c += 16) {
-                    const __m512 o = _mm512_castsi512_ps(
+                    const __m512 o = own == 0.0f ? _mm512_setzero_ps() : _mm512_castsi512_ps(
                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(held + c))), 16));
                     _mm512_store_ps(merged + c, _mm512_mul_ps(o, _mm512_set1_ps(own)));
                 }

@@ -1,17 +1,19 @@
-"""Attention over a shared prefix on CPUs with AMX: a small C kernel, built with the machine's C compiler on first use.
+"""A packed step's attention on CPUs with AMX: a small C kernel, built with the machine's C compiler on first use.
 
 Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
 stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
 each block of queries and reads the prefix at about a third of the memory's speed there. This kernel packs each run of
 256 keys once a call and attends every query row to it with AMX tiles (bfloat16 products summed in float32), so the
-call costs little more than reading the prefix, and merges the result into the attention the step holds over each
-request's own tokens, in place. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix: 11.0 ms for 24 query
-rows (8 decoding streams) against 16.4 for the flash kernel, 14.9 against 28.6 for 48 rows (README, "Serving many
-requests").
+call costs little more than reading the prefix. It merges its result into the attention the step holds for those rows,
+in place, so a step (`attention._attend_with_kernel`) attends each request's own positions (causally, with no mask
+built) and then each shared prefix into one output, where it is returned. Measured on 2 cores, SmolLM2's 30 layers
+over a 4k-token prefix: 11.0 ms for 24 query rows (8 decoding streams) against 16.4 for the flash kernel, 14.9 against
+28.6 for 48 rows (README, "Serving many requests").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AMX and
-AVX-512 BF16. It is built once per source into `~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that
-is missing, `applies` says no and the caller attends with torch's kernel, as before.
+AVX-512 BF16, for models without sliding windows or soft-capping. It is built once per source into
+`~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that is missing, `applies` says no and the step
+attends with torch's kernels, as before.
 """
 
 from __future__ import annotations
@@ -63,10 +65,20 @@ def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
     )
 
 
-def attend_into(queries: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Attend queries `[1, heads, count, d]` over keys and values `[2, kv_heads, tokens, d]` that every query sees,
-    and merge that into `out` (`[1, heads, count, d]`, the queries' attention over other keys) and its log-sum-exp
-    `lse` (`[1, heads, count]`, float32), in place. Call where `applies` says so; any strides, rows of d contiguous."""
+def attend_into(
+    queries: torch.Tensor,
+    kv: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal_from: int | None = None,
+) -> None:
+    """Attend queries `[1, heads, count, d]` over keys and values `[2, kv_heads, tokens, d]` and merge that into
+    `out` (`[1, heads, count, d]`, the queries' attention over other keys) and its log-sum-exp `lse` (`[1, heads,
+    count]`, float32), in place; where `lse` is minus infinity nothing is held, and `out` is only written. Every query
+    sees every key, or with `causal_from` query p sees keys `[0, causal_from + p]` (new tokens after `causal_from`
+    others). Call where `applies` says so; any strides, rows of d contiguous."""
     library = _library()
     assert library is not None, "attend_into where applies() said no"
     _, heads, count, head_dim = queries.shape
@@ -92,9 +104,14 @@ def attend_into(queries: torch.Tensor, kv: torch.Tensor, scale: float, out: torc
         lse.data_ptr(),
         lse.stride(1),
         lse.stride(2),
+        -1 if causal_from is None else causal_from,
     )
-    if failed:
+    if failed == -2:
         raise MemoryError("the AMX attention kernel could not allocate its working memory")
+    if failed:
+        raise ValueError(
+            f"the AMX attention kernel does not take these sizes: {tuple(queries.shape)}, {tuple(kv.shape)}"
+        )
 
 
 @functools.cache
@@ -111,9 +128,9 @@ def _library() -> ctypes.CDLL | None:
                 why = "Linux did not grant the AMX tile state"
             else:
                 pointer, size = ctypes.c_void_p, ctypes.c_int64
-                # queries, keys and values, sizes, the scale, then the output and log-sum-exp merged into
+                # queries, K and V, sizes, the scale; the output and lse merged into; where causality starts
                 argtypes: list[Any] = [pointer, size, size, pointer, pointer, *[size] * 7, ctypes.c_float]
-                library.prefixgate_attend_into.argtypes = [*argtypes, pointer, size, size, pointer, size, size]
+                library.prefixgate_attend_into.argtypes = [*argtypes, pointer, size, size, pointer, size, size, size]
                 library.prefixgate_attend_into.restype = ctypes.c_int
                 _log.info("shared prefixes are attended with the AMX kernel (%s)", _built())
                 return library

@@ -151,6 +151,8 @@ def _attend_step(
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
+    if sliding_window is None and not softcap and amx_attention.applies(query, batch.segments[0].kv[layer]):
+        return _attend_with_kernel(query, new, batch, layer, scale)
     outputs, lses = [], []
     # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
@@ -187,6 +189,28 @@ def _attend_step(
         lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]  # lse: [1, heads, total], float32
         out = _add_shared(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2).contiguous()  # [1, total, heads, head_dim]
+
+
+def _attend_with_kernel(
+    query: torch.Tensor, new: torch.Tensor, batch: PackedBatch, layer: int, scale: float
+) -> torch.Tensor:
+    """The step where the AMX kernel attends (see `amx_attention.py`): each segment's own positions, causally, and
+    each shared prefix merge into one output in place, written where the step returns it, with no mask built and no
+    part copied. Return `[1, total, heads, head_dim]`."""
+    _, heads, total, head_dim = query.shape
+    out = query.new_empty((1, total, heads, head_dim)).transpose(1, 2)  # out: [1, heads, total, head_dim]
+    lse = torch.full((1, heads, total), float("-inf"), device=query.device)  # nothing attended yet
+    for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
+        start, end = segment.start - segment.offset, segment.start - segment.offset + segment.length
+        stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
+        stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
+        rows = slice(begin, begin + segment.length)
+        amx_attention.attend_into(
+            query[:, :, rows], stored[:, :, :end], scale, out[:, :, rows], lse[:, :, rows], causal_from=start
+        )
+    if batch.shared:
+        _add_shared(query, out, lse, batch.shared, layer, scale)
+    return out.transpose(1, 2)  # contiguous: out was made in this layout
 
 
 @_attend_step.register_fake

@@ -63,6 +63,21 @@ def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
 
 
 @needs_kernel
+@pytest.mark.parametrize(("history", "count"), [(0, 1), (0, 27), (38, 27), (700, 300), (5, 1)])
+def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(history: int, count: int) -> None:
+    torch.manual_seed(0)
+    queries = torch.randn(1, 9, count, 64).bfloat16()
+    kv = (torch.randn(2, 3, history + count, 64) * 2).bfloat16()
+    # Nothing held: minus infinity, and an output never initialised, which must not be read.
+    out, lse = torch.full((1, 9, count, 64), float("nan")).bfloat16(), torch.full((1, 9, count), float("-inf"))
+    amx_attention.attend_into(queries, kv, 0.125, out, lse, causal_from=history)
+    mask = attention_module._mask(history, count, 0, history + count, None, queries.device)
+    expected, expected_lse = attention_module._attend_exactly(queries.float(), kv[0:1], kv[1:2], mask, 0.125)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-7)
+
+
+@needs_kernel
 def test_queries_and_outputs_are_read_and_written_where_their_strides_say() -> None:
     torch.manual_seed(0)
     kv = torch.randn(2, 3, 2048, 64).bfloat16()
@@ -106,37 +121,54 @@ async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give
     prompt = make_prompt(60)
     alone = (await collect(backend, prompt)).token_ids
     blocks = await prefix_blocks(backend, prompt)
-    attend, keys_attended = amx_attention.attend_into, []
+    attend, shared_keys, own_calls = amx_attention.attend_into, [], []
 
-    def counted(queries: torch.Tensor, kv: torch.Tensor, *rest: Any) -> None:
-        keys_attended.append(kv.shape[2])
-        attend(queries, kv, *rest)
+    def counted(queries: torch.Tensor, kv: torch.Tensor, *rest: Any, causal_from: int | None = None) -> None:
+        if causal_from is None:
+            shared_keys.append(kv.shape[2])
+        else:
+            own_calls.append(causal_from)
+        attend(queries, kv, *rest, causal_from=causal_from)
 
     monkeypatch.setattr(amx_attention, "attend_into", counted)
     assert await run_shared(backend, prompt, blocks[:6]) == alone
-    # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each.
-    assert keys_attended and set(keys_attended) == {3 * 8}
+    # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each, and over the
+    # request's own positions.
+    assert shared_keys and set(shared_keys) == {3 * 8} and len(own_calls) == len(shared_keys) // 2
 
 
 @needs_kernel
-def test_a_decode_step_on_a_shared_prefix_gives_the_logits_of_one_buffer(tokenizer: PreTrainedTokenizerFast) -> None:
+def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and_decode_shared_or_not(
+    tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = make_llama(tokenizer, head_dim=64).to(torch.bfloat16)
     model.set_attn_implementation(attention_module.NAME)
     runner = ModelRunner(model)
     prompt = make_prompt(300)
     shape = (2, 2, 2, 320, 64)  # [layers, 2, kv_heads, positions, head_dim]
-    whole = torch.zeros(shape, dtype=torch.bfloat16)
+    first = torch.zeros(shape, dtype=torch.bfloat16)
     with torch.inference_mode():
-        runner.run([StepInput(prompt[:299], whole, 0)])
-        prefix = whole[:, :, :, :256].clone()
-        own = torch.zeros(shape, dtype=torch.bfloat16)
-        own[:, :, :, : 299 - 256] = whole[:, :, :, 256:299]
-        logits = runner.run([StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)])
-    # The model runs in bfloat16 and the two paths round at different places: a few of its units at the logits' size
-    # (torch's flash kernel on the shared prefix lands 2.5 units from the one buffer here, the AMX kernel 2.25).
-    unit = 2.0 ** (torch.floor(torch.log2(logits[1].abs().max())) - 7)
-    torch.testing.assert_close(logits[0], logits[1], atol=4 * unit.item(), rtol=0)
-    assert logits[0].argmax() == logits[1].argmax()
+        runner.run([StepInput(prompt[:256], first, 0)])
+    prefix = first[:, :, :, :256].clone()  # a cached prefix: read in place by one request, copied by the other
+    logits = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(amx_attention, "_library", lambda: None)
+        own, whole = torch.zeros(shape, dtype=torch.bfloat16), first.clone()
+        with torch.inference_mode():
+            # A prompt chunk after the prefix, then a decode step, of each at once.
+            chunk = runner.run(
+                [StepInput(prompt[256:299], own, 256, 256, (prefix,)), StepInput(prompt[256:299], whole, 256)]
+            )
+            decode = runner.run(
+                [StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)]
+            )
+        logits[kernel] = torch.cat((chunk, decode))
+    # The model runs in bfloat16 and the paths round at different places: a few of its units at the logits' size
+    # (on a shared prefix torch's flash kernel lands 2.5 units from one buffer here, the AMX kernel 2.25).
+    unit = 2.0 ** (torch.floor(torch.log2(logits[False].abs().max())) - 7)
+    torch.testing.assert_close(logits[True], logits[False], atol=4 * unit.item(), rtol=0)
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
 
 
 def test_float32_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:

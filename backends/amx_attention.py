@@ -132,9 +132,9 @@ def _library() -> ctypes.CDLL | None:
                 argtypes: list[Any] = [pointer, size, size, pointer, pointer, *[size] * 7, ctypes.c_float]
                 library.prefixgate_attend_into.argtypes = [*argtypes, pointer, size, size, pointer, size, size, size]
                 library.prefixgate_attend_into.restype = ctypes.c_int
-                _log.info("shared prefixes are attended with the AMX kernel (%s)", _built())
+                _log.info("packed steps attend with the AMX kernel (%s)", _built())
                 return library
-    _log.info("shared prefixes are attended with torch's flash kernel: the AMX kernel %s", why)
+    _log.info("packed steps attend with torch's kernels: the AMX kernel %s", why)
     return None
 
 

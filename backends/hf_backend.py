@@ -125,6 +125,8 @@ class HFBackend:
         self._buffers: KVBuffers | None = None
         if self.prefix_reuse:
             self._buffers = KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget)
+            if self.device.type == "cpu" and model.dtype == torch.bfloat16:
+                amx_attention.prepare()  # built now (once per source), so that no step waits for it
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         budget = kv_memory_budget if kv_memory_budget is not None else default_kv_memory_budget(self.device)
@@ -134,8 +136,6 @@ class HFBackend:
         self._prefixes: SharedPrefixes | None = None
         if self._buffers is not None and self.sharing_refusal is None:
             self._prefixes = SharedPrefixes(block_size, min_tokens=min_shared_tokens)
-            if self.device.type == "cpu" and model.dtype == torch.bfloat16:
-                amx_attention.prepare()  # so that no step waits for it to be built
         scheduler = Scheduler(
             chunk_tokens=prefill_chunk_tokens,
             interleaved_tokens=interleaved_prefill_tokens or prefill_chunk_tokens,

@@ -185,7 +185,7 @@ def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     with caplog.at_level(logging.INFO, logger=amx_attention.__name__):
         assert amx_attention._library.__wrapped__() is None
-    assert "torch's flash kernel: the AMX kernel building it failed" in caplog.text
+    assert "attend with torch's kernels: the AMX kernel building it failed" in caplog.text
     assert not list(tmp_path.glob("*.so"))
     monkeypatch.delenv("CC")
     monkeypatch.setattr(amx_attention.shutil, "which", lambda name: None)

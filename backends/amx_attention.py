@@ -120,7 +120,8 @@ def _library() -> ctypes.CDLL | None:
     why = _unavailable()
     if why is None:
         try:
-            library = ctypes.CDLL(str(_built()))
+            built = _built()
+            library = ctypes.CDLL(str(built))
         except (OSError, subprocess.CalledProcessError) as error:
             why = f"building it failed ({_first_line(error)})"
         else:
@@ -132,7 +133,7 @@ def _library() -> ctypes.CDLL | None:
                 argtypes: list[Any] = [pointer, size, size, pointer, pointer, *[size] * 7, ctypes.c_float]
                 library.prefixgate_attend_into.argtypes = [*argtypes, pointer, size, size, pointer, size, size, size]
                 library.prefixgate_attend_into.restype = ctypes.c_int
-                _log.info("packed steps attend with the AMX kernel (%s)", _built())
+                _log.info("packed steps attend with the AMX kernel (%s)", built)
                 return library
     _log.info("packed steps attend with torch's kernels: the AMX kernel %s", why)
     return None

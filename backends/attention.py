@@ -208,8 +208,7 @@ def _attend_with_kernel(
         amx_attention.attend_into(
             query[:, :, rows], stored[:, :, :end], scale, out[:, :, rows], lse[:, :, rows], causal_from=start
         )
-    if batch.shared:
-        _add_shared(query, out, lse, batch.shared, layer, scale)
+    _add_shared_with_kernel(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2)  # contiguous: out was made in this layout
 
 
@@ -277,14 +276,11 @@ def _attend_chunk(
     after 8k positions and 1 to 20% less after 4k, but up to 18% more after 1k, hence `_GROUPED_CONTEXT`.
     """
     _, heads, length, head_dim = queries.shape
-    mask = _mask(start, length, start, start + length, None, queries.device)
-    out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
-    if amx_attention.applies(queries, context):
-        amx_attention.attend_into(queries, context, scale, out, lse)
-        return out, lse
     kv_heads = context.shape[1]
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * length, head_dim)
     parts, part_lses = _attend_prefix(grouped, context, scale)
+    mask = _mask(start, length, start, start + length, None, queries.device)
+    out, lse = attend_with_lse(queries, own[0:1], own[1:2], mask, scale)
     outs = torch.cat((out, parts.reshape(-1, heads, length, head_dim)))
     return _merge(outs, torch.cat((lse, part_lses.reshape(-1, heads, length))))
 
@@ -300,20 +296,10 @@ def _add_shared(
     """Attend each run of shared positions once for all its readers' queries and merge it into their outputs."""
     _, heads, _, head_dim = query.shape
     for readers in shared:
-        runs = [kv[layer] for kv in readers.kv]  # each [2, kv_heads, tokens, head_dim]
-        if len(runs) > _MOST_RUNS:  # a prefix stored in many pieces: one copy beats a call and a merge per piece
-            runs = [torch.cat(runs, dim=2)]
+        runs = _runs(readers, layer)
         kv_heads = runs[0].shape[1]
         rows = readers.rows
         picked = query[:, :, rows]  # picked: [1, heads, rows, head_dim]
-        if amx_attention.applies(query, runs[0]):
-            # Merged into the readers' rows in place: views of `out` and `lse` when the rows are side by side.
-            own, own_lse = out[:, :, rows], lse[:, :, rows]
-            for kv in runs:
-                amx_attention.attend_into(picked, kv, scale, own, own_lse)
-            if not isinstance(rows, slice):
-                out[:, :, rows], lse[:, :, rows] = own, own_lse
-            continue
         count = picked.shape[2]
         # Query heads are grouped by the KV head they read (head h reads KV head h // groups): as rows of one matrix
         # per KV head, every reader's queries meet each shared key once.
@@ -328,6 +314,33 @@ def _add_shared(
         out[:, :, rows] = merged
         lse[:, :, rows] = merged_lse
     return out
+
+
+def _add_shared_with_kernel(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    shared: tuple[SharedReaders, ...],
+    layer: int,
+    scale: float,
+) -> None:
+    """Attend each run of shared positions once for all its readers' queries with the AMX kernel, merged into their
+    rows of `out` and `lse` in place (views of them when the rows are side by side)."""
+    for readers in shared:
+        rows = readers.rows
+        picked, own, own_lse = query[:, :, rows], out[:, :, rows], lse[:, :, rows]
+        for kv in _runs(readers, layer):
+            amx_attention.attend_into(picked, kv, scale, own, own_lse)
+        if not isinstance(rows, slice):  # gathered copies: put them back
+            out[:, :, rows], lse[:, :, rows] = own, own_lse
+
+
+def _runs(readers: SharedReaders, layer: int) -> list[torch.Tensor]:
+    """Return one layer of the runs of shared positions the readers read, each `[2, kv_heads, tokens, head_dim]`."""
+    runs = [kv[layer] for kv in readers.kv]
+    if len(runs) > _MOST_RUNS:  # a prefix stored in many pieces: one copy beats a call and a merge per piece
+        runs = [torch.cat(runs, dim=2)]
+    return runs
 
 
 def _attend_prefix(grouped: torch.Tensor, kv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

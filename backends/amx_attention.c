@@ -1,12 +1,13 @@
 /* A packed step's attention on CPUs with AMX: see amx_attention.py.
 
-   Work is shared out by KV head and run of keys. Each item packs 256 keys at a time (K transposed for the score tiles,
-   V with the keys of each pair interleaved for the output tiles), so every key and value is read from memory once a
-   call, then attends every query row to them in tiles of 16 rows: scores in float32 from bfloat16 products, softmax in
-   float32, probabilities rounded to bfloat16 for the product with V (as torch's flash kernel does). A row sees every
-   key, or causally those up to its own position. An item keeps an unnormalised output, the max of the scores and the
-   sum of their exponentials for each row; at the end they merge across items and into the attention the caller holds
-   over other keys, by log-sum-exp. */
+   A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
+   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time (K transposed for the score
+   tiles, V with the keys of each pair interleaved for the output tiles), so every key and value is read from memory
+   once a call, then attends the part's query rows to them in tiles of 16 rows: scores in float32 from bfloat16
+   products, softmax in float32 (exponentials in base 2, the scale folded in), probabilities rounded to bfloat16 for
+   the product with V (as torch's flash kernel does). A row sees every key, or causally those up to its own position.
+   An item keeps an unnormalised output, the max of the scores and the sum of their exponentials for each row; at the
+   end they merge across items and into the attention the caller holds over other keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -41,10 +42,7 @@ static void configure_tiles(void) {  /* all eight tiles 16 rows of 64 bytes */
     _tile_loadconfig(&config);
 }
 
-static inline __m512 exp512(__m512 x) {  /* e^x to float32 precision for x <= 0; 0 below -87 (and for -inf) */
-    const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finite t <= 0; 0 below -150 */
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -54,7 +52,7 @@ static inline __m512 exp512(__m512 x) {  /* e^x to float32 precision for x <= 0;
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(above, _mm512_scalef_ps(p, n));
+    return _mm512_scalef_ps(p, n);
 }
 
 static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
@@ -146,52 +144,79 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
     }
     memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
-    /* Scores, 16 rows by 16 keys a tile: the products summed over slabs of 32 columns. */
+    /* Scores, 16 rows by 16 keys a tile: the products summed over slabs of 32 columns, each key tile loaded once for
+       every row tile (accumulators 0 to 3, keys 4 and 5, queries 6 and 7). */
     for (int64_t g = 0; g < padded; g += 16) {
-        for (int64_t t = 0; t < tiles; t++) {
+        const uint32_t *keys = w->keys + (g / 16) * slabs * 256;
+        for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+            const int64_t tn = tiles - t0 < 4 ? tiles - t0 : 4;
             _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t slab = 0; slab < slabs; slab++) {
-                _tile_loadd(1, w->queries + t * 16 * d + slab * 32, d * 2);
-                _tile_loadd(2, w->keys + ((g / 16) * slabs + slab) * 256, 64);
-                _tile_dpbf16ps(0, 1, 2);
+                const uint16_t *q = w->queries + t0 * 16 * d + slab * 32;
+                _tile_loadd(4, keys + slab * 256, 64);
+                _tile_loadd(6, q, d * 2);
+                _tile_dpbf16ps(0, 6, 4);
+                if (tn > 1) {
+                    _tile_loadd(7, q + 16 * d, d * 2);
+                    _tile_dpbf16ps(1, 7, 4);
+                }
+                if (tn > 2) {
+                    _tile_loadd(6, q + 32 * d, d * 2);
+                    _tile_dpbf16ps(2, 6, 4);
+                }
+                if (tn > 3) {
+                    _tile_loadd(7, q + 48 * d, d * 2);
+                    _tile_dpbf16ps(3, 7, 4);
+                }
             }
-            _tile_stored(0, w->scores + t * 16 * KEYS + g, KEYS * 4);
+            float *scores = w->scores + t0 * 16 * KEYS + g;
+            _tile_stored(0, scores, KEYS * 4);
+            if (tn > 1) _tile_stored(1, scores + 16 * KEYS, KEYS * 4);
+            if (tn > 2) _tile_stored(2, scores + 32 * KEYS, KEYS * 4);
+            if (tn > 3) _tile_stored(3, scores + 48 * KEYS, KEYS * 4);
         }
     }
-    /* Each row's max and sum of exponentials; probabilities past the last key are 0. Rows past `count` are left
-       as they are: their output rows are never read. */
-    const __m512 factor = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
+    /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Rows past `count` are
+       left as they are: their output rows are never read. Exponentials in base 2, the scale folded in. */
+    const float log2_scale = scale * 1.44269504088896341f;
     for (int64_t r = 0; r < count; r++) {
-        float *row = w->scores + r * KEYS;
+        const float *row = w->scores + r * KEYS;
+        uint16_t *probabilities = w->probabilities + r * KEYS;
         int64_t visible = n;  /* the keys this row sees in the chunk */
         if (x->causal_from >= 0) {
             const int64_t last = x->causal_from + (r0 + r) % x->count - t0;  /* its last key, from the chunk's first */
             visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
         }
         if (visible == 0) {
-            memset(w->probabilities + r * KEYS, 0, sizeof(uint16_t) * padded);
+            memset(probabilities, 0, sizeof(uint16_t) * padded);
             w->max[r] = -INFINITY;
             w->sum[r] = 0.0f;
             continue;
         }
-        __m512 top = none;
-        for (int64_t i = 0; i < padded; i += 16) {
-            const int64_t left = visible - i;
-            const __mmask16 seen = left >= 16 ? 0xffff : (__mmask16)((1u << (left > 0 ? left : 0)) - 1);
-            const __m512 x = _mm512_mask_mul_ps(none, seen, _mm512_load_ps(row + i), factor);
-            _mm512_store_ps(row + i, x);
-            top = _mm512_max_ps(top, x);
-        }
+        const int64_t whole = visible / 16 * 16;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < whole; i += 16) top = _mm512_max_ps(top, _mm512_load_ps(row + i));
+        const __mmask16 tail = (__mmask16)((1u << (visible - whole)) - 1);
+        if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_load_ps(row + whole));
         const float most = _mm512_reduce_max_ps(top);
-        const __m512 shift = _mm512_set1_ps(most);
+        const __m512 factor = _mm512_set1_ps(log2_scale), shift = _mm512_set1_ps(-most * log2_scale);
         __m512 total = _mm512_setzero_ps();
         for (int64_t i = 0; i < padded; i += 32) {
-            const __m512 e0 = exp512(_mm512_sub_ps(_mm512_load_ps(row + i), shift));
-            const __m512 e1 = exp512(_mm512_sub_ps(_mm512_load_ps(row + i + 16), shift));
-            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-            _mm512_store_si512(w->probabilities + r * KEYS + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            __m512 e[2];
+            for (int j = 0; j < 2; j++) {
+                const int64_t at = i + 16 * j;
+                if (at + 16 <= visible) e[j] = exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift));
+                else if (at < visible)
+                    e[j] = _mm512_maskz_mov_ps(tail, exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift)));
+                else e[j] = _mm512_setzero_ps();
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
+            _mm512_store_si512(probabilities + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         }
-        w->max[r] = most;
+        w->max[r] = most * scale;
         w->sum[r] = _mm512_reduce_add_ps(total);
     }
     /* Output, 16 rows by 64 columns at a time in four tiles: probabilities [16 x 32 keys] times values. */
@@ -223,24 +248,38 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
 }
 
 /* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats, then `max` and `sum`
-   `rows` floats apart), the first block of a row copying it. */
+   `rows` floats apart), the first block of a row copying it. The weights of 16 rows at a time. */
 static void merge_block(const scratch *w, int64_t count, int64_t d, int first, float *acc, float *max, float *sum) {
-    for (int64_t r = 0; r < count; r++) {
-        const float *block = w->out + r * d;
-        float *row = acc + r * d;
-        if (first || max[r] == -INFINITY) {  /* nothing merged yet, or nothing seen yet */
-            memcpy(row, block, sizeof(float) * d);
-            max[r] = w->max[r];
-            sum[r] = w->sum[r];
-            continue;
+    if (first) {
+        memcpy(acc, w->out, sizeof(float) * count * d);
+        memcpy(max, w->max, sizeof(float) * count);
+        memcpy(sum, w->sum, sizeof(float) * count);
+        return;
+    }
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), floor = _mm512_set1_ps(-200.0f);
+    for (int64_t r0 = 0; r0 < count; r0 += 16) {
+        const __mmask16 rows = count - r0 >= 16 ? 0xffff : (__mmask16)((1u << (count - r0)) - 1);
+        const __m512 held = _mm512_maskz_loadu_ps(rows, max + r0), block = _mm512_maskz_loadu_ps(rows, w->max + r0);
+        const __m512 most = _mm512_max_ps(held, block);
+        /* A row that has seen no key yet (max -infinity) keeps nothing of what it holds, and gives nothing. */
+        const __mmask16 seen = _mm512_mask_cmp_ps_mask(rows, most, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 old = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(held, most), log2e), floor)));
+        const __m512 new = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(block, most), log2e), floor)));
+        const __m512 total = _mm512_fmadd_ps(old, _mm512_maskz_loadu_ps(rows, sum + r0),
+                                             _mm512_mul_ps(new, _mm512_maskz_loadu_ps(rows, w->sum + r0)));
+        _mm512_mask_storeu_ps(max + r0, rows, most);
+        _mm512_mask_storeu_ps(sum + r0, rows, total);
+        float olds[16] __attribute__((aligned(64))), news[16] __attribute__((aligned(64)));
+        _mm512_store_ps(olds, old);
+        _mm512_store_ps(news, new);
+        const int64_t n = count - r0 < 16 ? count - r0 : 16;
+        for (int64_t i = 0; i < n; i++) {
+            float *row = acc + (r0 + i) * d;
+            const float *part = w->out + (r0 + i) * d;
+            const __m512 a = _mm512_set1_ps(olds[i]), b = _mm512_set1_ps(news[i]);
+            for (int64_t x = 0; x < d; x += 16)
+                _mm512_storeu_ps(row + x, _mm512_fmadd_ps(a, _mm512_loadu_ps(row + x), _mm512_mul_ps(b, _mm512_loadu_ps(part + x))));
         }
-        if (w->max[r] == -INFINITY) continue;  /* the row saw none of the block's keys */
-        const float most = fmaxf(max[r], w->max[r]), old = expf(max[r] - most), new = expf(w->max[r] - most);
-        const __m512 a = _mm512_set1_ps(old), b = _mm512_set1_ps(new);
-        for (int64_t x = 0; x < d; x += 16)
-            _mm512_storeu_ps(row + x, _mm512_fmadd_ps(a, _mm512_loadu_ps(row + x), _mm512_mul_ps(b, _mm512_loadu_ps(block + x))));
-        max[r] = most;
-        sum[r] = old * sum[r] + new * w->sum[r];
     }
 }
 
@@ -248,28 +287,56 @@ static __thread scratch *thread_scratch;  /* each thread's, kept for its next ca
 static __thread float *thread_parts;      /* the calling thread's items' running outputs */
 static __thread int64_t thread_parts_size;
 
-/* Attend each query row to keys and values [kv_heads, tokens, d] and merge that, by log-sum-exp, into the attention
-   over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and
-   out are bfloat16 rows of d contiguous elements, lse float32, each placed by its strides (in elements); keys and
-   values bfloat16, rows of d contiguous, KV heads k_stride and v_stride apart. With causal_from -1 every query sees
-   every key; otherwise query p sees keys [0, causal_from + p] (a prompt's new tokens after causal_from others). A
-   held lse of -infinity holds nothing: out is then only written. Returns 0, -1 for sizes it does not take, -2 when
-   memory ran out (nothing written then). */
-int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, const uint16_t *k, const uint16_t *v,
-                           int64_t k_stride, int64_t v_stride, int64_t kv_heads, int64_t groups, int64_t count,
-                           int64_t tokens, int64_t d, float scale, uint16_t *out, int64_t out_head, int64_t out_row,
-                           float *lse, int64_t lse_head, int64_t lse_row, int64_t causal_from) {
-    if (d % 64 || d > MAX_DIM || tokens < 1 || count < 1 || groups < 1 || kv_heads < 1) return -1;
-    if (causal_from >= tokens) return -1;
-    const rows_of x = {q, out, lse, q_head, q_row, out_head, out_row, lse_head, lse_row, groups, count, causal_from};
-    const int64_t rows = groups * count;  /* per KV head */
-    const int64_t chunks = (tokens + KEYS - 1) / KEYS, splits = chunks < MAX_SPLITS ? chunks : MAX_SPLITS;
-    const int64_t items = kv_heads * splits, stride = rows * (d + 2);
-    if (thread_parts_size < items * stride) {
+/* One part of a call: query rows [first, first + count) of every query head, attended to their own keys and values
+   ([kv_heads, tokens, d], KV heads `stride` elements apart). With causal_from -1 every row sees every key; otherwise
+   row p sees keys [0, causal_from + p] (a prompt's new tokens after causal_from others). Seven int64 from the caller. */
+typedef struct {
+    int64_t first, count, k, v, stride, tokens, causal_from;
+} part_plan;
+
+typedef struct {  /* where a part's work and results are */
+    int64_t items, splits, chunks, first_item, parts_at, first_row;
+} part_place;
+
+/* Attend the parts' query rows to their keys and values and merge that, by log-sum-exp, into the attention over other
+   keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and out are
+   bfloat16 rows of d contiguous elements, lse float32, each placed by its strides (in elements); keys and values
+   bfloat16, rows of d contiguous. A held lse of -infinity holds nothing: out is then only written. With new_k and
+   new_v (the step's new keys and values, placed by their strides, rows as the queries'), a causal part first has its
+   rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
+   region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when
+   memory ran out (nothing attended then). */
+int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, uint16_t *out, int64_t out_head,
+                            int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const uint16_t *new_k,
+                            int64_t new_k_head, int64_t new_k_row, const uint16_t *new_v, int64_t new_v_head,
+                            int64_t new_v_row, int64_t kv_heads, int64_t groups, int64_t d, float scale,
+                            int64_t count, const int64_t *plans) {
+    if (d % 64 || d > MAX_DIM || groups < 1 || kv_heads < 1 || count < 1) return -1;
+    const part_plan *plan = (const part_plan *)plans;
+    part_place *place = malloc(sizeof(part_place) * count);
+    if (!place) return -2;
+    int64_t items = 0, floats = 0, merged_rows = 0;
+    for (int64_t p = 0; p < count; p++) {
+        const part_plan *x = plan + p;
+        if (x->tokens < 1 || x->count < 1 || x->causal_from >= x->tokens ||
+            (new_k && x->causal_from >= 0 && x->causal_from + x->count > x->tokens)) {
+            free(place);
+            return -1;
+        }
+        const int64_t chunks = (x->tokens + KEYS - 1) / KEYS, splits = chunks < MAX_SPLITS ? chunks : MAX_SPLITS;
+        place[p] = (part_place){kv_heads * splits, splits, chunks, items, floats, merged_rows};
+        items += kv_heads * splits;
+        floats += kv_heads * splits * groups * x->count * (d + 2);
+        merged_rows += kv_heads * groups * x->count;
+    }
+    if (thread_parts_size < floats) {
         free(thread_parts);
-        thread_parts = malloc(sizeof(float) * items * stride);
-        thread_parts_size = thread_parts ? items * stride : 0;
-        if (!thread_parts) return -2;
+        thread_parts = malloc(sizeof(float) * floats);
+        thread_parts_size = thread_parts ? floats : 0;
+        if (!thread_parts) {
+            free(place);
+            return -2;
+        }
     }
     float *parts = thread_parts;
     int failed = 0;
@@ -282,15 +349,38 @@ int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, con
 #pragma omp atomic write
             failed = 1;
         }
+        if (new_k) {
 #pragma omp for schedule(static)
+            for (int64_t ph = 0; ph < count * kv_heads; ph++) {
+                const part_plan *pp = plan + ph / kv_heads;
+                const int64_t h = ph % kv_heads;
+                if (pp->causal_from < 0) continue;
+                uint16_t *k = (uint16_t *)(intptr_t)pp->k + h * pp->stride + pp->causal_from * d;
+                uint16_t *v = (uint16_t *)(intptr_t)pp->v + h * pp->stride + pp->causal_from * d;
+                for (int64_t i = 0; i < pp->count; i++) {
+                    memcpy(k + i * d, new_k + h * new_k_head + (pp->first + i) * new_k_row, sizeof(uint16_t) * d);
+                    memcpy(v + i * d, new_v + h * new_v_head + (pp->first + i) * new_v_row, sizeof(uint16_t) * d);
+                }
+            }  /* a barrier: every part's keys are written before any is read */
+        }
+        int64_t p = 0;  /* the part of this thread's last item: items come in increasing order to each thread */
+#pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < items; item++) {
             if (!w) continue;
-            const int64_t h = item / splits, split = item % splits;
-            const int64_t first = chunks * split / splits, last = chunks * (split + 1) / splits;
-            float *acc = parts + item * stride, *max = acc + rows * d, *sum = max + rows;
+            while (place[p].first_item + place[p].items <= item) p++;
+            const part_plan *pp = plan + p;
+            const part_place *at = place + p;
+            const rows_of x = {q + pp->first * q_row, out + pp->first * out_row, lse + pp->first * lse_row, q_head,
+                               q_row, out_head, out_row, lse_head, lse_row, groups, pp->count, pp->causal_from};
+            const int64_t rows = groups * pp->count, stride = rows * (d + 2);
+            const int64_t h = (item - at->first_item) / at->splits, split = (item - at->first_item) % at->splits;
+            const int64_t first = at->chunks * split / at->splits, last = at->chunks * (split + 1) / at->splits;
+            const uint16_t *k = (const uint16_t *)(intptr_t)pp->k + h * pp->stride;
+            const uint16_t *v = (const uint16_t *)(intptr_t)pp->v + h * pp->stride;
+            float *acc = parts + at->parts_at + (item - at->first_item) * stride, *max = acc + rows * d, *sum = max + rows;
             for (int64_t c = first; c < last; c++) {
-                const int64_t t0 = c * KEYS, n = tokens - t0 < KEYS ? tokens - t0 : KEYS;
-                pack(k + h * k_stride + t0 * d, v + h * v_stride + t0 * d, n, d, w);
+                const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
+                pack(k + t0 * d, v + t0 * d, n, d, w);
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
                     attend_block(&x, h, r0, block, t0, n, d, scale, w);
@@ -300,13 +390,21 @@ int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, con
         }
         if (w) _tile_release();  /* the loop's end is a barrier: `failed` is final */
         if (!failed) {
+            int64_t p = 0;
 #pragma omp for schedule(static)
-            for (int64_t hr = 0; hr < kv_heads * rows; hr++) {
-                const int64_t h = hr / rows, r = hr % rows, head = head_of(&x, h, r), p = r % count;
-                const float *base = parts + h * splits * stride;
+            for (int64_t row = 0; row < merged_rows; row++) {
+                while (place[p].first_row + kv_heads * groups * plan[p].count <= row) p++;
+                const part_plan *pp = plan + p;
+                const part_place *at = place + p;
+                const rows_of x = {q + pp->first * q_row, out + pp->first * out_row, lse + pp->first * lse_row,
+                                   q_head, q_row, out_head, out_row, lse_head, lse_row, groups, pp->count, -1};
+                const int64_t rows = groups * pp->count, stride = rows * (d + 2), splits = at->splits;
+                const int64_t h = (row - at->first_row) / rows, r = (row - at->first_row) % rows;
+                const int64_t head = head_of(&x, h, r), position = r % pp->count;
+                const float *base = parts + at->parts_at + h * splits * stride;
                 /* The caller's attention over its other keys is one more part, already normalised. */
-                float *held_lse = lse + head * lse_head + p * lse_row;
-                uint16_t *held = out + head * out_head + p * out_row;
+                float *held_lse = x.lse + head * lse_head + position * lse_row;
+                uint16_t *held = x.out + head * out_head + position * out_row;
                 float most = *held_lse;
                 for (int64_t s = 0; s < splits; s++) most = fmaxf(most, base[s * stride + rows * d + r]);
                 /* held -infinity: nothing held, and `held` is not read (it may be uninitialised memory) */
@@ -335,5 +433,6 @@ int prefixgate_attend_into(const uint16_t *q, int64_t q_head, int64_t q_row, con
             }
         }
     }
+    free(place);
     return failed ? -2 : 0;
 }

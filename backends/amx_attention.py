@@ -5,10 +5,10 @@ stream) against thousands of keys. torch's CPU flash kernel packs the keys and v
 each block of queries and reads the prefix at about a third of the memory's speed there. This kernel packs each run of
 256 keys once a call and attends every query row to it with AMX tiles (bfloat16 products summed in float32), so the
 call costs little more than reading the prefix. It merges its result into the attention the step holds for those rows,
-in place, so a step (`attention._attend_with_kernel`) attends each request's own positions (causally, with no mask
-built) and then each shared prefix into one output, where it is returned. Measured on 2 cores, SmolLM2's 30 layers
-over a 4k-token prefix: 11.0 ms for 24 query rows (8 decoding streams) against 16.4 for the flash kernel, 14.9 against
-28.6 for 48 rows (README, "Serving many requests").
+in place, so a step (`attention._attend_with_kernel`) makes one call per layer for every request's own positions
+(writing their new keys and values first; causal, with no mask built), then one per shared prefix, into one output,
+where it is returned. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix: 11.0 ms for 24 query rows (8
+decoding streams) against 16.4 for the flash kernel, 14.9 against 28.6 for 48 rows (README, "Serving many requests").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AMX and
 AVX-512 BF16, for models without sliding windows or soft-capping. It is built once per source into
@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -79,39 +79,80 @@ def attend_into(
     count]`, float32), in place; where `lse` is minus infinity nothing is held, and `out` is only written. Every query
     sees every key, or with `causal_from` query p sees keys `[0, causal_from + p]` (new tokens after `causal_from`
     others). Call where `applies` says so; any strides, rows of d contiguous."""
+    part = Part(0, queries.shape[2], kv.unsqueeze(0), 0, kv.shape[2], causal_from)
+    attend_parts(queries, [part], scale, out, lse)
+
+
+class Part(NamedTuple):
+    """Rows `[first, first + length)` of a call's queries, attended to the first `tokens` positions of layer `layer` of
+    `kv` (`[layers, 2, kv_heads, capacity, d]`, rows of d contiguous): every one, or with `causal_from` query p sees
+    positions `[0, causal_from + p]` (new tokens after `causal_from` others)."""
+
+    first: int
+    length: int
+    kv: torch.Tensor
+    layer: int
+    tokens: int
+    causal_from: int | None = None
+
+
+def attend_parts(
+    queries: torch.Tensor,
+    parts: list[Part],
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Attend each part's rows of queries `[1, heads, rows, d]` as `attend_into` does, merged into the same rows of
+    `out` and `lse`; the parts' rows must not overlap. With `new`, the step's new keys and values (each `[1,
+    kv_heads, rows, d]`), a causal part's rows of them are first written into its KV at positions `[causal_from,
+    causal_from + length)`. One call for a step's requests, each over its own positions: the threads start once and
+    share out the work of every request, with no tensor made per request."""
     library = _library()
-    assert library is not None, "attend_into where applies() said no"
-    _, heads, count, head_dim = queries.shape
-    kv_heads = kv.shape[1]
+    assert library is not None, "attend_parts where applies() said no"
+    _, heads, _, head_dim = queries.shape
+    kv_heads = parts[0].kv.shape[2]
     assert queries.stride(3) == out.stride(3) == 1 and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    failed = library.prefixgate_attend_into(
+    plans: list[int] = []
+    for first, length, kv, layer, tokens, causal_from in parts:
+        layer_stride, values, head, row, column = kv.stride()
+        assert kv.dtype == torch.bfloat16 and kv.shape[2] == kv_heads and (row, column) == (head_dim, 1)
+        assert tokens <= kv.shape[3], "a part attends positions its KV does not hold"
+        keys = kv.data_ptr() + layer * layer_stride * 2  # bytes: two a bfloat16
+        plans += (first, length, keys, keys + values * 2, head, tokens, -1 if causal_from is None else causal_from)
+    new_k, new_v = new if new is not None else (None, None)
+    if new_k is not None and new_v is not None:
+        new_k, new_v = (x if x.stride(3) == 1 else x.contiguous() for x in (new_k, new_v))
+        assert new_k.dtype == new_v.dtype == torch.bfloat16
+    failed = library.prefixgate_attend_parts(
         queries.data_ptr(),
         queries.stride(1),
         queries.stride(2),
-        kv[0].data_ptr(),
-        kv[1].data_ptr(),
-        kv.stride(1),
-        kv.stride(1),
-        kv_heads,
-        heads // kv_heads,
-        count,
-        kv.shape[2],
-        head_dim,
-        scale,
         out.data_ptr(),
         out.stride(1),
         out.stride(2),
         lse.data_ptr(),
         lse.stride(1),
         lse.stride(2),
-        -1 if causal_from is None else causal_from,
+        *(_placed(new_k) + _placed(new_v)),
+        kv_heads,
+        heads // kv_heads,
+        head_dim,
+        scale,
+        len(parts),
+        (ctypes.c_int64 * len(plans))(*plans),
     )
     if failed == -2:
         raise MemoryError("the AMX attention kernel could not allocate its working memory")
     if failed:
-        raise ValueError(
-            f"the AMX attention kernel does not take these sizes: {tuple(queries.shape)}, {tuple(kv.shape)}"
-        )
+        shapes = [(part.length, tuple(part.kv.shape), part.tokens, part.causal_from) for part in parts]
+        raise ValueError(f"the AMX attention kernel does not take these sizes: {tuple(queries.shape)}, {shapes}")
+
+
+def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
+    """Return a pointer to rows `[1, heads, count, d]` and their head and row strides (None, 0, 0 for none)."""
+    return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(1), rows.stride(2))
 
 
 @functools.cache
@@ -129,10 +170,11 @@ def _library() -> ctypes.CDLL | None:
                 why = "Linux did not grant the AMX tile state"
             else:
                 pointer, size = ctypes.c_void_p, ctypes.c_int64
-                # queries, K and V, sizes, the scale; the output and lse merged into; where causality starts
-                argtypes: list[Any] = [pointer, size, size, pointer, pointer, *[size] * 7, ctypes.c_float]
-                library.prefixgate_attend_into.argtypes = [*argtypes, pointer, size, size, pointer, size, size, size]
-                library.prefixgate_attend_into.restype = ctypes.c_int
+                # queries, output, lse, new keys and values with their strides; KV heads, groups, head size, the
+                # scale; the parts
+                rows: list[Any] = [pointer, size, size] * 5
+                library.prefixgate_attend_parts.argtypes = [*rows, size, size, size, ctypes.c_float, size, pointer]
+                library.prefixgate_attend_parts.restype = ctypes.c_int
                 _log.info("packed steps attend with the AMX kernel (%s)", built)
                 return library
     _log.info("packed steps attend with torch's kernels: the AMX kernel %s", why)

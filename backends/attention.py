@@ -150,9 +150,9 @@ def _attend_step(
     if batch.shared and (sliding_window is not None or softcap):
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
-    new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     if sliding_window is None and not softcap and amx_attention.applies(query, batch.segments[0].kv[layer]):
-        return _attend_with_kernel(query, new, batch, layer, scale)
+        return _attend_with_kernel(query, key, value, batch, layer, scale)
+    new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs, lses = [], []
     # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
@@ -192,22 +192,19 @@ def _attend_step(
 
 
 def _attend_with_kernel(
-    query: torch.Tensor, new: torch.Tensor, batch: PackedBatch, layer: int, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, layer: int, scale: float
 ) -> torch.Tensor:
-    """The step where the AMX kernel attends (see `amx_attention.py`): each segment's own positions, causally, and
-    each shared prefix merge into one output in place, written where the step returns it, with no mask built and no
-    part copied. Return `[1, total, heads, head_dim]`."""
+    """The step where the AMX kernel attends (see `amx_attention.py`): one call writes each segment's new K and V into
+    its buffer and attends its own positions, causally, then each shared prefix merges in, all into one output in place,
+    written where the step returns it, with no mask built and no part copied. Return `[1, total, heads, head_dim]`."""
     _, heads, total, head_dim = query.shape
     out = query.new_empty((1, total, heads, head_dim)).transpose(1, 2)  # out: [1, heads, total, head_dim]
     lse = torch.full((1, heads, total), float("-inf"), device=query.device)  # nothing attended yet
+    parts = []
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
-        start, end = segment.start - segment.offset, segment.start - segment.offset + segment.length
-        stored = segment.kv[layer]  # stored: [2, kv_heads, capacity, head_dim]
-        stored[:, :, start:end] = new[:, :, begin : begin + segment.length]
-        rows = slice(begin, begin + segment.length)
-        amx_attention.attend_into(
-            query[:, :, rows], stored[:, :, :end], scale, out[:, :, rows], lse[:, :, rows], causal_from=start
-        )
+        start = segment.start - segment.offset  # in the segment's own buffer
+        parts.append(amx_attention.Part(begin, segment.length, segment.kv, layer, start + segment.length, start))
+    amx_attention.attend_parts(query, parts, scale, out, lse, new=(key, value))
     _add_shared_with_kernel(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2)  # contiguous: out was made in this layout
 

@@ -78,6 +78,39 @@ def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(hist
 
 
 @needs_kernel
+def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only() -> None:
+    # A step's requests as parts of one call: decode rows and prompt chunks, each over its own buffer (buffers of
+    # different capacities, layer 1 of 2), short ones and one long enough to be split in 8 runs of keys (past 8 x 256
+    # positions). The step's new keys and values come position-major, as the model's projections give them.
+    torch.manual_seed(0)
+    shapes = [(40, 1), (0, 27), (2300, 1), (3, 64), (700, 130), (1, 1)]  # (positions before, new tokens)
+    total = sum(count for _, count in shapes)
+    queries = torch.randn(1, 9, total, 64).bfloat16()
+    new_keys, new_values = ((torch.randn(1, total, 3, 64) * 2).bfloat16().transpose(1, 2) for _ in range(2))
+    out, lse = torch.full((1, 9, total, 64), float("nan")).bfloat16(), torch.full((1, 9, total), float("-inf"))
+    parts, first = [], 0
+    for history, count in shapes:
+        buffer = (torch.randn(2, 2, 3, history + count + 17, 64) * 2).bfloat16()  # room past the positions filled
+        parts.append(amx_attention.Part(first, count, buffer, 1, history + count, history))
+        first += count
+    untouched = [part.kv.clone() for part in parts]
+    amx_attention.attend_parts(queries, parts, 0.125, out, lse, new=(new_keys, new_values))
+    for part, before in zip(parts, untouched, strict=True):
+        rows, end = slice(part.first, part.first + part.length), part.tokens
+        expected_kv = before.clone()
+        expected_kv[1, 0, :, part.causal_from : end] = new_keys[0, :, rows]
+        expected_kv[1, 1, :, part.causal_from : end] = new_values[0, :, rows]
+        assert torch.equal(part.kv, expected_kv)  # the new positions written, nothing else
+        kv = part.kv[1, :, :, :end]
+        mask = attention_module._mask(part.causal_from, part.length, 0, end, None, queries.device)
+        expected, expected_lse = attention_module._attend_exactly(
+            queries[:, :, rows].float(), kv[0:1], kv[1:2], mask, 0.125
+        )
+        torch.testing.assert_close(lse[:, :, rows], expected_lse, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[:, :, rows].float(), expected, atol=2e-2, rtol=2**-7)
+
+
+@needs_kernel
 def test_queries_and_outputs_are_read_and_written_where_their_strides_say() -> None:
     torch.manual_seed(0)
     kv = torch.randn(2, 3, 2048, 64).bfloat16()
@@ -120,16 +153,17 @@ async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give
     prompt = make_prompt(60)
     alone = (await collect(backend, prompt)).token_ids
     blocks = await prefix_blocks(backend, prompt)
-    attend, shared_keys, own_calls = amx_attention.attend_into, [], []
+    attend, shared_keys, own_calls = amx_attention.attend_parts, [], []
 
-    def counted(queries: torch.Tensor, kv: torch.Tensor, *rest: Any, causal_from: int | None = None) -> None:
-        if causal_from is None:
-            shared_keys.append(kv.shape[2])
-        else:
-            own_calls.append(causal_from)
-        attend(queries, kv, *rest, causal_from=causal_from)
+    def counted(queries: torch.Tensor, parts: list[amx_attention.Part], *rest: Any, **named: Any) -> None:
+        for part in parts:
+            if part.causal_from is None:
+                shared_keys.append(part.tokens)
+            else:
+                own_calls.append(part.causal_from)
+        attend(queries, parts, *rest, **named)
 
-    monkeypatch.setattr(amx_attention, "attend_into", counted)
+    monkeypatch.setattr(amx_attention, "attend_parts", counted)
     assert await run_shared(backend, prompt, blocks[:6]) == alone
     # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each, and over the
     # request's own positions.

@@ -260,7 +260,9 @@ def test_a_breakpoint_cuts_the_request_after_its_message_part_or_tool() -> None:
 
 @pytest.mark.smollm2
 async def test_a_follow_up_turn_reuses_the_previous_prompt_and_answer_up_to_the_first_token_that_differs() -> None:
-    backend = HFBackend.load(EMBEDDED_MODEL, compile_steps=False)
+    # In float32: the reused and the fresh prompt round differently, and bfloat16 logits tie often enough (21.5 and
+    # 21.5 at the eighth token of this answer) for greedy tokens to part where the reuse is right.
+    backend = HFBackend.load(EMBEDDED_MODEL, dtype=torch.float32, compile_steps=False)
     geometry = backend.geometry
     budget = TierConfig(256 << 20)
     store = TieredStore.open(

@@ -8,7 +8,9 @@ its own tokens only. A shared prefix may extend another (a system prompt shared 
 some): each holds its own positions only and is read by the readers of every prefix that extends it.
 
 Life of one: the first request that needs it creates it, empty, and has the store lend it the blocks before it is
-admitted itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Each reader holds
+admitted itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Where its cached
+blocks run on past a fork (other cached prompts departing), it creates and fills one per level, so that it reads all
+of them in place from its first step as later requests do. Each reader holds
 a reference, a prefix extending it holds one, and so does the fill while it runs. When the last goes, the loan ends:
 the blocks stay in the tier under its policy (while lent, it never evicts them, and a flush keeps their memory until
 then). A fill that cannot lend every block (the tier full of blocks it cannot evict) fails the prefix, and its
@@ -64,11 +66,12 @@ class SharedPrefix:
 
 
 class PrefixStart:
-    """A request's start from shared prefixes: the longest one it reads (referenced), and the new one it must fill."""
+    """A request's start from shared prefixes: the longest one it reads (referenced), and the new ones it must fill,
+    parents first."""
 
-    def __init__(self, prefixes: SharedPrefixes, prefix: SharedPrefix, fill: SharedPrefix | None) -> None:
+    def __init__(self, prefixes: SharedPrefixes, prefix: SharedPrefix, fills: Sequence[SharedPrefix] = ()) -> None:
         self.prefix = prefix
-        self.fill = fill  # fill it from the store (its blocks `first_block` to `blocks`), then call `filled`
+        self._fills = list(fills)  # fill each from the store (its blocks `first_block` to `blocks`), calling `filled`
         self._prefixes = prefixes
         self._held = True
 
@@ -77,12 +80,26 @@ class PrefixStart:
         """Return the positions the shared prefixes hold once filled: the request's own buffer starts there."""
         return self.prefix.end
 
-    def filled(self, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]) -> None:
-        """Report the fill: the blocks' K and V lent in place (runs of positions, in order), where each block came
-        from (fewer names than blocks fail the prefix), and what ends the loan."""
-        assert self.fill is not None, "only the request that created a prefix fills it"
-        fill, self.fill = self.fill, None
-        self._prefixes.filled(fill, kv, tiers, give_back)
+    @property
+    def fill(self) -> SharedPrefix | None:
+        """Return the next new prefix to fill, or None when none is left."""
+        return self._fills[0] if self._fills else None
+
+    @property
+    def fills(self) -> tuple[SharedPrefix, ...]:
+        """Return the new prefixes left to fill, parents first."""
+        return tuple(self._fills)
+
+    def filled(self, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]) -> bool:
+        """Report the fill of `fill`: its blocks' K and V lent in place (runs of positions, in order), where each block
+        came from (fewer names than blocks fail the prefix), and what ends the loan. Return whether it is complete;
+        once one is not, the prefixes after it are failed too (reported as lending nothing)."""
+        assert self._fills, "only the request that created a prefix fills it"
+        complete = self._prefixes.filled(self._fills.pop(0), kv, tiers, give_back)
+        if not complete:
+            while self._fills:
+                self._prefixes.filled(self._fills.pop(0), (), (), lambda: None)
+        return complete
 
     async def settle(self) -> bool:
         """Wait until every prefix read is filled; return whether all of them were (else the start is released)."""
@@ -120,10 +137,10 @@ class SharedPrefixes:
     def attach(self, ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
         """Start a request from the longest shared prefix of blocks `ids` (block 0 first, each cached in the store).
 
-        When the cached blocks run on past every shared prefix, a new one is created for the request to fill, at
-        least `min_tokens` long: it ends at the first of `forks` (block indices where other cached prompts depart
-        from this one) that allows, so that those prompts can read it too, else at the last cached block. What
-        follows it is the request's own (or, read on past it by later requests, a prefix of its own in turn).
+        When the cached blocks run on past every shared prefix, new ones are created for the request to fill, each at
+        least `min_tokens` long: each ends at the first of `forks` (block indices where other cached prompts depart
+        from this one) that allows, so that those prompts can read it too, the last at the last cached block. What
+        follows them is the request's own (or, read on past it by later requests, a prefix of its own in turn).
         Return None when there is nothing to share.
         """
         size = self._block_size
@@ -134,27 +151,30 @@ class SharedPrefixes:
                 if prefix is not None and prefix.blocks == count:
                     found = prefix
                     break
-            fill = None
+            fills: list[SharedPrefix] = []
             covered = found.blocks if found is not None else 0
-            least = covered + -(-self._min_tokens // size)  # the fewest blocks a new prefix may end after
-            end = min((fork for fork in forks if least <= fork <= len(ids)), default=len(ids))
-            if end >= least:
+            while covered < len(ids):
+                least = covered + -(-self._min_tokens // size)  # the fewest blocks a new prefix may end after
+                end = min((fork for fork in forks if least <= fork <= len(ids)), default=len(ids))
+                if end < least:
+                    break
                 fill = SharedPrefix(ids[end - 1], found, end, size)
                 self._live += 1
                 if found is not None:
                     found.references += 1  # held by the new prefix for as long as it lives
                 fill.references = 1  # the fill's, dropped by filled()
                 self._by_key[fill.key] = fill
-                found = fill
+                fills.append(fill)
+                found, covered = fill, end
             if found is None:
                 return None
             found.references += 1
-        return PrefixStart(self, found, fill)
+        return PrefixStart(self, found, fills)
 
     def filled(
         self, prefix: SharedPrefix, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]
-    ) -> None:
-        """Report a fill done (see `PrefixStart.filled`)."""
+    ) -> bool:
+        """Report a fill done (see `PrefixStart.filled`); return whether it is complete."""
         complete = len(tiers) == prefix.blocks - prefix.first_block
         if complete:
             assert sum(run.shape[3] for run in kv) == prefix.tokens, "a fill lends every position of its prefix"
@@ -169,6 +189,7 @@ class SharedPrefixes:
                 del self._by_key[prefix.key]  # nobody new attaches to it; its readers go on without it
         prefix.filled.set_result(complete)
         self.release(prefix)
+        return complete
 
     def release(self, prefix: SharedPrefix) -> None:
         """Drop one reference; a prefix nobody references any more ends its loan."""

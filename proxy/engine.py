@@ -487,15 +487,16 @@ class Engine:
         return replace(hit, tiers=reservation.shared_tiers + hit.tiers)
 
     def _fill(self, prepared: PreparedPrompt, start: PrefixStart) -> None:
-        """Have the store lend a new shared prefix its blocks in place, and report how far that got, whatever
-        happens."""
-        fill = start.fill
-        assert fill is not None
-        lent = Borrowed.nothing()
-        try:
-            lent = self.store.borrow(prepared.namespace, prepared.token_ids, start=fill.first_block, stop=fill.blocks)
-        finally:
-            start.filled(lent.kv, lent.tiers, lent.give_back)
+        """Have the store lend each new shared prefix its blocks in place, parents first, and report each fill,
+        whatever happens (others may wait for them; one that fails fails those after it)."""
+        while (fill := start.fill) is not None:
+            lent = Borrowed.nothing()
+            try:
+                lent = self.store.borrow(
+                    prepared.namespace, prepared.token_ids, start=fill.first_block, stop=fill.blocks
+                )
+            finally:
+                start.filled(lent.kv, lent.tiers, lent.give_back)
 
     def _fetch(self, prepared: PreparedPrompt, buffer: torch.Tensor | None, start: int = 0) -> PrefixHit:
         """Fetch the cached prefix after its first `start` blocks into `buffer`; extend the retention of the blocks

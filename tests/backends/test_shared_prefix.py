@@ -42,8 +42,7 @@ async def start_shared(
 ) -> KVReservation:
     """Start `prompt` from a shared prefix of `blocks`, filling it (as the engine does) if new, and reserve for it."""
     start = backend.start_prefix(IDS[: len(blocks)], forks)
-    if start is not None and start.fill is not None:
-        fill = start.fill
+    while start is not None and (fill := start.fill) is not None:
         kv = torch.cat(list(blocks[fill.first_block : fill.blocks]), dim=3)  # kv: [layers, 2, kv_heads, n, head_dim]
         start.filled(kv.split(3 * BLOCK, dim=3), ["host"] * (fill.blocks - fill.first_block), lambda: None)
     reservation = await backend.reserve(len(prompt), max_tokens, start=start)
@@ -247,6 +246,53 @@ async def test_a_prefix_extending_a_shared_one_is_shared_too_and_holds_its_paren
     whole = await start_shared(backend, prompt, blocks[:7])  # with no fork, a prefix takes every cached block
     assert (whole.offset, len(whole.shared)) == (56, 3)
     whole.release()
+
+
+async def test_the_first_request_past_a_fork_fills_each_level_and_reads_all_of_them_in_place(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 60)
+    first = backend.start_prefix(IDS[:7], forks=(3,))  # other cached prompts depart after block 2
+    assert first is not None
+    assert [(level.first_block, level.blocks) for level in first.fills] == [(0, 3), (3, 7)]
+    while (fill := first.fill) is not None:
+        first.filled(
+            [torch.cat(blocks[fill.first_block : fill.blocks], dim=3)],
+            ["host"] * (fill.blocks - fill.first_block),
+            lambda: None,
+        )
+    reading = await backend.reserve(len(prompt), GREEDY.max_tokens, start=first)
+    assert await reading.settle() == 56  # every cached block read in place, none copied into its own buffer
+    departing = await start_shared(backend, prompt, blocks[:3])  # a prompt that departs at the fork reads level one
+    assert departing.offset == 24 and departing.shared[0] is reading.shared[0]
+    departing.release()
+    tokens = [chunk.token_id async for chunk in backend.generate(prompt, [], GREEDY, reservation=reading)]
+    assert tokens == expected
+    assert backend.admission().shared_prefixes == 0
+
+
+async def test_a_level_that_cannot_be_lent_fails_the_levels_after_it_and_the_request_copies_its_prefix(
+    make_backend: BackendFactory,
+) -> None:
+    backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 60)
+    start = backend.start_prefix(IDS[:7], forks=(2, 4))
+    assert start is not None and len(start.fills) == 3
+    loans: list[int] = []
+    assert start.filled([torch.cat(blocks[:2], dim=3)], ["host"] * 2, lambda: loans.append(0))
+    assert not start.filled([blocks[2]], ["host"], lambda: loans.append(1))  # the level's second block: not lent
+    assert start.fill is None and loans == [1]  # the third level failed with it, lending nothing
+    waiter = backend.start_prefix(IDS[:7], forks=(2, 4))  # a failed level is found by nobody new
+    assert waiter is not None and [(level.first_block, level.blocks) for level in waiter.fills] == [(2, 4), (4, 7)]
+    waiter.release()  # never filled: reported as lending nothing, as a borrow that raised
+    while waiter.fill is not None:
+        waiter.filled((), (), lambda: None)
+    reservation = await backend.reserve(len(prompt), GREEDY.max_tokens, start=start)
+    assert await reservation.settle() == 0 and loans == [1, 0]  # nobody reads the first level now: its loan ends
+    reservation.load(blocks[:7])
+    stream = backend.generate(prompt, blocks[:7], GREEDY, reservation=reservation)
+    assert [chunk.token_id async for chunk in stream] == expected
+    stats = backend.admission()
+    assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
 
 
 async def test_admission_counts_readers_of_a_shared_prefix_for_their_own_tokens(make_backend: BackendFactory) -> None:

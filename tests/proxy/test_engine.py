@@ -310,8 +310,7 @@ async def test_warm_arrivals_at_once_read_one_copy_of_their_prefix_filled_once_a
         fill, load = engine._fill, engine._load
 
         def counting_fill(prepared: PreparedPrompt, start: PrefixStart) -> None:
-            assert start.fill is not None
-            fills.append((start.fill.first_block, start.fill.blocks))
+            fills.extend((prefix.first_block, prefix.blocks) for prefix in start.fills)
             fill(prepared, start)
 
         async def counting_load(*args: Any) -> Any:

@@ -36,6 +36,7 @@ from prefixgate.backends.scheduler import Scheduler, StepCosts
 from prefixgate.backends.sequence import Decoding, SequencePlan
 from prefixgate.backends.shared_prefix import MIN_SHARED_TOKENS, PrefixStart, SharedPrefixes
 from prefixgate.backends.text_stream import TextStream
+from prefixgate.backends.token_pieces import PieceTokenizer
 from prefixgate.backends.tool_calls import ToolFormat, format_for, generic
 from prefixgate.backends.worker import GATHER_SECONDS, StepListener, Worker
 from prefixgate.errors import (
@@ -110,6 +111,7 @@ class HFBackend:
         self.geometry: KVGeometry = geometry_from_config(model.config, model.dtype, block_size)
         self._model = model
         self._tokenizer = tokenizer
+        self._pieces = PieceTokenizer(tokenizer)  # chats, tokenized piece by piece (see token_pieces.py)
         self._runner = ModelRunner(model)
         self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
@@ -468,7 +470,9 @@ class HFBackend:
                 "model's tokenizer); shorten the prompt",
                 param="prompt",
             )
-        return [int(t) for t in self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        if not add_special_tokens:
+            return self._pieces(text)
+        return [int(t) for t in self._tokenizer(text, add_special_tokens=True)["input_ids"]]
 
     def _plan(
         self,

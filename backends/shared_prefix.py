@@ -13,8 +13,9 @@ blocks run on past a fork (other cached prompts departing), it creates and fills
 of them in place from its first step as later requests do. Each reader holds
 a reference, a prefix extending it holds one, and so does the fill while it runs. When the last goes, the loan ends:
 the blocks stay in the tier under its policy (while lent, it never evicts them, and a flush keeps their memory until
-then). A fill that cannot lend every block (the tier full of blocks it cannot evict) fails the prefix, and its
-readers copy the blocks into their own buffers, as before sharing.
+then). A fill that cannot lend every block (the tier full of blocks it cannot evict) fails the prefix and any
+level after it, and its readers copy those blocks into their own buffers, as before sharing; the request that filled
+it still reads the levels before it in place.
 """
 
 from __future__ import annotations
@@ -93,12 +94,18 @@ class PrefixStart:
     def filled(self, kv: Sequence[torch.Tensor], tiers: Sequence[str], give_back: Callable[[], None]) -> bool:
         """Report the fill of `fill`: its blocks' K and V lent in place (runs of positions, in order), where each block
         came from (fewer names than blocks fail the prefix), and what ends the loan. Return whether it is complete;
-        once one is not, the prefixes after it are failed too (reported as lending nothing)."""
+        once one is not, the prefixes after it are failed too (reported as lending nothing), and the request starts
+        from the one before it, if any, copying the rest of its cached prefix into its own buffer."""
         assert self._fills, "only the request that created a prefix fills it"
-        complete = self._prefixes.filled(self._fills.pop(0), kv, tiers, give_back)
+        level = self._fills.pop(0)
+        complete = self._prefixes.filled(level, kv, tiers, give_back)
         if not complete:
             while self._fills:
                 self._prefixes.filled(self._fills.pop(0), (), (), lambda: None)
+            if level.parent is not None and self._held:
+                self._prefixes.hold(level.parent)  # before letting go of the failed ones, which hold it too
+                self._prefixes.release(self.prefix)
+                self.prefix = level.parent
         return complete
 
     async def settle(self) -> bool:
@@ -190,6 +197,12 @@ class SharedPrefixes:
         prefix.filled.set_result(complete)
         self.release(prefix)
         return complete
+
+    def hold(self, prefix: SharedPrefix) -> None:
+        """Take one more reference on a prefix someone holds."""
+        with self._lock:
+            assert prefix.references > 0, "a prefix nobody holds is gone"
+            prefix.references += 1
 
     def release(self, prefix: SharedPrefix) -> None:
         """Drop one reference; a prefix nobody references any more ends its loan."""

@@ -271,7 +271,7 @@ async def test_the_first_request_past_a_fork_fills_each_level_and_reads_all_of_t
     assert backend.admission().shared_prefixes == 0
 
 
-async def test_a_level_that_cannot_be_lent_fails_the_levels_after_it_and_the_request_copies_its_prefix(
+async def test_a_level_that_cannot_be_lent_fails_the_levels_after_it_and_the_request_reads_the_one_before(
     make_backend: BackendFactory,
 ) -> None:
     backend, prompt, blocks, expected = await a_prompt_and_its_blocks(make_backend, 60)
@@ -287,10 +287,11 @@ async def test_a_level_that_cannot_be_lent_fails_the_levels_after_it_and_the_req
     while waiter.fill is not None:
         waiter.filled((), (), lambda: None)
     reservation = await backend.reserve(len(prompt), GREEDY.max_tokens, start=start)
-    assert await reservation.settle() == 0 and loans == [1, 0]  # nobody reads the first level now: its loan ends
-    reservation.load(blocks[:7])
-    stream = backend.generate(prompt, blocks[:7], GREEDY, reservation=reservation)
+    assert await reservation.settle() == 16  # the first level, read in place; blocks 2 to 6 its own
+    reservation.load(blocks[2:7])
+    stream = backend.generate(prompt, blocks[2:7], GREEDY, reservation=reservation)
     assert [chunk.token_id async for chunk in stream] == expected
+    assert loans == [1, 0]  # the first level's loan ended with its reader
     stats = backend.admission()
     assert (stats.shared_prefixes, stats.bytes_in_use, stats.running) == (0, 0, 0)
 

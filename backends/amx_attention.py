@@ -8,7 +8,7 @@ call costs little more than reading the prefix. It merges its result into the at
 in place, so a step (`attention._attend_with_kernel`) makes one call per layer for every request's own positions
 (writing their new keys and values first; causal, with no mask built), then one per shared prefix, into one output,
 where it is returned. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix: 11.0 ms for 24 query rows (8
-decoding streams) against 16.4 for the flash kernel, 14.9 against 28.6 for 48 rows (README, "Serving many requests").
+decoding streams) against 16.4 for the flash kernel, 14.9 against 28.6 for 48 rows (README, "Benchmarks").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AMX and
 AVX-512 BF16, for models without sliding windows or soft-capping. It is built once per source into

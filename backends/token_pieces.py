@@ -21,7 +21,8 @@ from typing import Any
 
 import xxhash
 
-DEFAULT_BUDGET_TOKENS = 1 << 21  # the most token ids kept (4 bytes each); pieces used least lately go first
+DEFAULT_BUDGET_BYTES = 16 << 20  # the most memory kept; pieces used least lately go first
+_PIECE_BYTES = 256  # what keeping a piece costs besides its ids (4 bytes each): its key, its array, its dict entry
 # Texts between special tokens in the probe: spaces, tabs and newlines at their edges, text that is not ASCII.
 _PROBE = ("You are terse.\n\n", " Rules:  one\ttwo  ", "user\n Größe? 東京 \u00a0 x", "\n- a\n- b\n", "  then?  ", "x")
 
@@ -30,9 +31,9 @@ class PieceTokenizer:
     """Tokenize text as `tokenizer` does with no special tokens added, reusing the ids of pieces seen lately.
     Thread-safe."""
 
-    def __init__(self, tokenizer: Any, budget_tokens: int = DEFAULT_BUDGET_TOKENS) -> None:
+    def __init__(self, tokenizer: Any, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self._tokenizer = tokenizer
-        self._budget = budget_tokens
+        self._budget = budget_bytes
         specials = [
             added.content
             for added in tokenizer.added_tokens_decoder.values()
@@ -42,7 +43,7 @@ class PieceTokenizer:
         specials.sort(key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._pieces: OrderedDict[int, array[int]] = OrderedDict()  # by the hash of the token before and the piece
-        self._tokens = 0  # ids kept
+        self.nbytes = 0  # what the pieces kept cost
         self._lock = threading.Lock()
         if specials:
             probe = "".join(text + specials[i % len(specials)] for i, text in enumerate(_PROBE)) + _PROBE[0]
@@ -89,12 +90,17 @@ class PieceTokenizer:
         return ids
 
     def _keep(self, key: int, ids: array[int]) -> array[int]:
-        if key not in self._pieces and len(ids) <= self._budget:
+        cost = _cost(ids)
+        if key not in self._pieces and cost <= self._budget:
             self._pieces[key] = ids
-            self._tokens += len(ids)
-            while self._tokens > self._budget:
-                self._tokens -= len(self._pieces.popitem(last=False)[1])
+            self.nbytes += cost
+            while self.nbytes > self._budget:
+                self.nbytes -= _cost(self._pieces.popitem(last=False)[1])
         return ids
 
     def _whole(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _cost(ids: array[int]) -> int:
+    return _PIECE_BYTES + ids.itemsize * len(ids)

@@ -85,17 +85,25 @@ class Counting:
 def test_a_system_prompt_seen_before_is_not_tokenized_again_and_the_budget_bounds_what_is_kept() -> None:
     counting = Counting(make_tokenizer())
     system = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-    budget = len(counting.tokenizer(system)["input_ids"]) * 3 // 2  # room for one system prompt, not for two
-    pieces = PieceTokenizer(counting, budget_tokens=budget)
+    budget = len(counting.tokenizer(system)["input_ids"]) * 4 * 3 // 2  # room for one system prompt, not for two
+    pieces = PieceTokenizer(counting, budget_bytes=budget)
     pieces(system + "<|im_start|>user\nfirst question<|im_end|>\n")
     counting.asked.clear()
     pieces(system + "<|im_start|>user\nsecond question<|im_end|>\n")
     assert not any("Rule" in text for text in counting.asked)  # only the new turn's pieces were tokenized
-    assert pieces._tokens <= budget
+    assert pieces.nbytes <= budget
     pieces(system.replace("shop", "bakery"))  # another long system prompt: the budget cannot keep both
     counting.asked.clear()
     assert pieces(system) == counting.tokenizer(system, add_special_tokens=False)["input_ids"]
-    assert any("Rule" in text for text in counting.asked) and pieces._tokens <= budget
+    assert any("Rule" in text for text in counting.asked) and pieces.nbytes <= budget
+
+
+def test_many_small_pieces_are_kept_within_the_budget_with_what_each_costs_besides_its_ids() -> None:
+    pieces = PieceTokenizer(make_tokenizer(), budget_bytes=64 << 10)
+    text = "".join(f"<|im_start|>user\n{i}<|im_end|>\n" for i in range(2000))  # 4,000 pieces of a few tokens
+    assert pieces(text) == pieces._whole(text)
+    assert 60 << 10 < pieces.nbytes <= 64 << 10 and len(pieces._pieces) < 250
+    assert pieces.nbytes == sum(256 + 4 * len(ids) for ids in pieces._pieces.values())
 
 
 class Unsplittable(Counting):

@@ -443,7 +443,8 @@ class Engine:
     async def _claim(self, prepared: PreparedPrompt) -> tuple[HeldRun, list[BlockKey]]:
         """Find the cached prefix held here, after waiting for blocks another request is computing; claim the rest.
 
-        Two requests sharing an uncached prefix compute it once: the second waits for the first's blocks.
+        Two requests sharing an uncached prefix compute it once: the second waits for the first's blocks, and for
+        those filed after them (the first's answer, whose leading tokens it may reuse to the token).
         """
         keys = prepared.keys[: prepared.reusable]
         if not self.backend.prefix_reuse:
@@ -456,6 +457,7 @@ class Engine:
             if last_inflight == held.blocks:
                 break
             await asyncio.shield(self._inflight[keys[last_inflight - 1]])
+            await self.wait_for_blocks()
         # Claimed with no await since the look, so a request arriving meanwhile waits for these blocks.
         loop = asyncio.get_running_loop()
         owned = [key for key in keys[held.blocks :] if key not in self._inflight]

@@ -121,9 +121,9 @@ def attend_parts(
         assert tokens <= kv.shape[3], "a part attends positions its KV does not hold"
         keys = kv.data_ptr() + layer * layer_stride * 2  # bytes: two a bfloat16
         plans += (first, length, keys, keys + values * 2, head, tokens, -1 if causal_from is None else causal_from)
-    new_k, new_v = new if new is not None else (None, None)
-    if new_k is not None and new_v is not None:
-        new_k, new_v = (x if x.stride(3) == 1 else x.contiguous() for x in (new_k, new_v))
+    new_k = new_v = None
+    if new is not None:
+        new_k, new_v = (x if x.stride(3) == 1 else x.contiguous() for x in new)
         assert new_k.dtype == new_v.dtype == torch.bfloat16
     failed = library.prefixgate_attend_parts(
         queries.data_ptr(),

@@ -10,12 +10,12 @@ some): each holds its own positions only and is read by the readers of every pre
 Life of one: the first request that needs it creates it, empty, and has the store lend it the blocks before it is
 admitted itself; requests arriving meanwhile wait for that fill instead of fetching their own copy. Where its cached
 blocks run on past a fork (other cached prompts departing), it creates and fills one per level, so that it reads all
-of them in place from its first step as later requests do. Each reader holds
-a reference, a prefix extending it holds one, and so does the fill while it runs. When the last goes, the loan ends:
-the blocks stay in the tier under its policy (while lent, it never evicts them, and a flush keeps their memory until
-then). A fill that cannot lend every block (the tier full of blocks it cannot evict) fails the prefix and any
-level after it, and its readers copy those blocks into their own buffers, as before sharing; the request that filled
-it still reads the levels before it in place.
+of them in place from its first step as later requests do. Each reader holds a reference, a prefix extending it holds
+one, and so does the fill while it runs. When the last goes, the loan ends: the blocks stay in the tier under its
+policy (while lent, it never evicts them, and a flush keeps their memory until then). A fill that cannot lend every
+block (the tier full of blocks it cannot evict) fails the prefix and any level after it, and its readers copy those
+blocks into their own buffers, as before sharing; the request that filled it still reads the levels before it in
+place.
 """
 
 from __future__ import annotations

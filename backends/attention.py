@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from prefixgate.backends import amx_attention
+from prefixgate.backends import cpu_attention
 
 NAME = "prefixgate_packed"
 _SPLIT_TOKENS = 1024  # shared prefixes at least this long are attended in halves on a CPU (see _attend_prefix)
@@ -150,7 +150,7 @@ def _attend_step(
     if batch.shared and (sliding_window is not None or softcap):
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
-    if sliding_window is None and not softcap and amx_attention.applies(query, batch.segments[0].kv[layer]):
+    if sliding_window is None and not softcap and cpu_attention.applies(query, batch.segments[0].kv[layer]):
         return _attend_with_kernel(query, key, value, batch, layer, scale)
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs, lses = [], []
@@ -194,7 +194,7 @@ def _attend_step(
 def _attend_with_kernel(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, layer: int, scale: float
 ) -> torch.Tensor:
-    """The step where the AMX kernel attends (see `amx_attention.py`): one call writes each segment's new K and V into
+    """The step where the C kernel attends (see `cpu_attention.py`): one call writes each segment's new K and V into
     its buffer and attends its own positions, causally, then each shared prefix merges in, all into one output in place,
     written where the step returns it, with no mask built and no part copied. Return `[1, total, heads, head_dim]`."""
     _, heads, total, head_dim = query.shape
@@ -203,8 +203,8 @@ def _attend_with_kernel(
     parts = []
     for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
         start = segment.start - segment.offset  # in the segment's own buffer
-        parts.append(amx_attention.Part(begin, segment.length, segment.kv, layer, start + segment.length, start))
-    amx_attention.attend_parts(query, parts, scale, out, lse, new=(key, value))
+        parts.append(cpu_attention.Part(begin, segment.length, segment.kv, layer, start + segment.length, start))
+    cpu_attention.attend_parts(query, parts, scale, out, lse, new=(key, value))
     _add_shared_with_kernel(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2)  # contiguous: out was made in this layout
 
@@ -321,13 +321,13 @@ def _add_shared_with_kernel(
     layer: int,
     scale: float,
 ) -> None:
-    """Attend each run of shared positions once for all its readers' queries with the AMX kernel, merged into their
+    """Attend each run of shared positions once for all its readers' queries with the C kernel, merged into their
     rows of `out` and `lse` in place (views of them when the rows are side by side)."""
     for readers in shared:
         rows = readers.rows
         picked, own, own_lse = query[:, :, rows], out[:, :, rows], lse[:, :, rows]
         for kv in _runs(readers, layer):
-            amx_attention.attend_into(picked, kv, scale, own, own_lse)
+            cpu_attention.attend_into(picked, kv, scale, own, own_lse)
         if not isinstance(rows, slice):  # gathered copies: put them back
             out[:, :, rows], lse[:, :, rows] = own, own_lse
 

@@ -20,7 +20,7 @@ import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from prefixgate.backends import amx_attention, sequence
+from prefixgate.backends import cpu_attention, sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
 from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
@@ -128,7 +128,7 @@ class HFBackend:
         if self.prefix_reuse:
             self._buffers = KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget)
             if self.device.type == "cpu" and model.dtype == torch.bfloat16:
-                amx_attention.prepare()  # built now (once per source), so that no step waits for it
+                cpu_attention.prepare()  # built now (once per source), so that no step waits for it
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         budget = kv_memory_budget if kv_memory_budget is not None else default_kv_memory_budget(self.device)

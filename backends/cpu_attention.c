@@ -1,9 +1,9 @@
-/* A packed step's attention on CPUs with AMX: see amx_attention.py.
+/* A packed step's attention on x86 CPUs with AVX-512 BF16 (and AMX where there is): see cpu_attention.py.
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
    work shared out by part, KV head and run of keys. Each item packs 256 keys at a time (K transposed for the score
    tiles, V with the keys of each pair interleaved for the output tiles), so every key and value is read from memory
-   once a call, then attends the part's query rows to them in tiles of 16 rows: scores in float32 from bfloat16
+   once a call, then attends the part's query rows to them, 16 keys by up to 16 rows at a time: scores in float32 from bfloat16
    products, softmax in float32 (exponentials in base 2, the scale folded in), probabilities rounded to bfloat16 for
    the product with V (as torch's flash kernel does). A row sees every key, or causally those up to its own position.
    An item keeps an unnormalised output, the max of the scores and the sum of their exponentials for each row; at the
@@ -22,6 +22,14 @@
 #define MAX_DIM 256
 #define MAX_SPLITS 8  /* runs of keys per head, each an item of work */
 
+/* Built with AMX (-mamx-tile -mamx-bf16) the products run on its tiles; without, on AVX-512 BF16 dot products. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX 1
+#else
+#define AMX 0
+#endif
+
+#if AMX
 /* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 when granted. */
 int prefixgate_request_amx(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
@@ -41,6 +49,13 @@ static void configure_tiles(void) {  /* all eight tiles 16 rows of 64 bytes */
     }
     _tile_loadconfig(&config);
 }
+
+static void release_tiles(void) { _tile_release(); }
+#else
+int prefixgate_request_amx(void) { return 0; }
+static void configure_tiles(void) {}
+static void release_tiles(void) {}
+#endif
 
 static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finite t <= 0; 0 below -150 */
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -134,17 +149,12 @@ typedef struct {
 /* Query row i of KV head h's grouped rows (query head h * groups + i / count, position i % count). */
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
-/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
-   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
-static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
-                         float scale, scratch *w) {
-    const int64_t tiles = (count + 15) / 16, slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t r = r0 + i;
-        memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
-    }
-    memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
-    /* Scores, 16 rows by 16 keys a tile: the products summed over slabs of 32 columns, each key tile loaded once for
+#if AMX
+/* Scores of the block's query rows (in tiles of 16) against the packed keys, into w->scores. */
+static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
+    (void)count;
+    const int64_t slabs = d / 32;
+    /* 16 rows by 16 keys a tile: the products summed over slabs of 32 columns, each key tile loaded once for
        every row tile (accumulators 0 to 3, keys 4 and 5, queries 6 and 7). */
     for (int64_t g = 0; g < padded; g += 16) {
         const uint32_t *keys = w->keys + (g / 16) * slabs * 256;
@@ -179,6 +189,118 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
             if (tn > 3) _tile_stored(3, scores + 48 * KEYS, KEYS * 4);
         }
     }
+}
+
+/* The block's unnormalised output, probabilities times values, into w->out. */
+static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
+    (void)count;
+    /* 16 rows by 64 columns at a time in four tiles: probabilities [16 x 32 keys] times values. */
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t c = 0; c < d; c += 64) {
+            const uint16_t *values = w->values + (c / 16) * blocks * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t block = 0; block < blocks; block++) {
+                _tile_loadd(4, w->probabilities + t * 16 * KEYS + block * 32, KEYS * 2);
+                _tile_loadd(5, values + block * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, values + (blocks + block) * 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, values + (2 * blocks + block) * 512, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, values + (3 * blocks + block) * 512, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+            float *out = w->out + t * 16 * d + c;
+            _tile_stored(0, out, d * 4);
+            _tile_stored(1, out + 16, d * 4);
+            _tile_stored(2, out + 32, d * 4);
+            _tile_stored(3, out + 48, d * 4);
+        }
+    }
+}
+#else
+/* Scores of `rows` query rows from r0 against 16 keys (a group of the packed keys), one accumulator a row: each
+   vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast to it. */
+static inline __attribute__((always_inline)) void score_rows(scratch *w, const uint32_t *keys, int64_t g, int64_t r0,
+                                                             const int rows, int64_t d) {
+    __m512 acc[8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const uint32_t *q = (const uint32_t *)(w->queries + r0 * d);
+    for (int64_t pair = 0; pair < d / 2; pair++) {
+        const __m512bh k = (__m512bh)_mm512_load_si512(keys + (pair / 16) * 256 + (pair % 16) * 16);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]), k);
+    }
+    for (int r = 0; r < rows; r++) _mm512_store_ps(w->scores + (r0 + r) * KEYS + g, acc[r]);
+}
+
+static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
+    (void)tiles;
+    for (int64_t g = 0; g < padded; g += 16) {
+        const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256;
+        int64_t r = 0;
+        for (; r + 8 <= count; r += 8) score_rows(w, keys, g, r, 8, d);
+        if (count - r >= 4) {
+            score_rows(w, keys, g, r, 4, d);
+            r += 4;
+        }
+        if (count - r >= 2) {
+            score_rows(w, keys, g, r, 2, d);
+            r += 2;
+        }
+        if (count - r >= 1) score_rows(w, keys, g, r, 1, d);
+    }
+}
+
+/* Output columns [c, c + 64) of `rows` rows from r0: each vector of a key pair's 16 values loaded once for the rows,
+   each row's pair of probabilities broadcast to it. */
+static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_t r0, const int rows, int64_t c,
+                                                              int64_t blocks, int64_t d) {
+    __m512 acc[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    const uint16_t *values = w->values + (c / 16) * blocks * 512;
+    const uint32_t *p = (const uint32_t *)(w->probabilities + r0 * KEYS);
+    for (int64_t pair = 0; pair < blocks * 16; pair++) {
+        __m512bh v[4];
+        for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * KEYS / 2 + pair]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
+}
+
+static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
+    (void)tiles;
+    for (int64_t c = 0; c < d; c += 64) {
+        int64_t r = 0;
+        for (; r + 4 <= count; r += 4) output_rows(w, r, 4, c, blocks, d);
+        if (count - r >= 2) {
+            output_rows(w, r, 2, c, blocks, d);
+            r += 2;
+        }
+        if (count - r >= 1) output_rows(w, r, 1, c, blocks, d);
+    }
+}
+#endif
+
+/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
+   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
+static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
+                         float scale, scratch *w) {
+    const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t r = r0 + i;
+        memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
+    }
+    memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
+    scores(w, count, tiles, padded, d);
     /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Rows past `count` are
        left as they are: their output rows are never read. Exponentials in base 2, the scale folded in. */
     const float log2_scale = scale * 1.44269504088896341f;
@@ -219,32 +341,7 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         w->max[r] = most * scale;
         w->sum[r] = _mm512_reduce_add_ps(total);
     }
-    /* Output, 16 rows by 64 columns at a time in four tiles: probabilities [16 x 32 keys] times values. */
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t c = 0; c < d; c += 64) {
-            const uint16_t *values = w->values + (c / 16) * blocks * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t block = 0; block < blocks; block++) {
-                _tile_loadd(4, w->probabilities + t * 16 * KEYS + block * 32, KEYS * 2);
-                _tile_loadd(5, values + block * 512, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, values + (blocks + block) * 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(5, values + (2 * blocks + block) * 512, 64);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(6, values + (3 * blocks + block) * 512, 64);
-                _tile_dpbf16ps(3, 4, 6);
-            }
-            float *out = w->out + t * 16 * d + c;
-            _tile_stored(0, out, d * 4);
-            _tile_stored(1, out + 16, d * 4);
-            _tile_stored(2, out + 32, d * 4);
-            _tile_stored(3, out + 48, d * 4);
-        }
-    }
+    outputs(w, count, tiles, blocks, d);
 }
 
 /* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats, then `max` and `sum`
@@ -388,7 +485,7 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
                 }
             }
         }
-        if (w) _tile_release();  /* the loop's end is a barrier: `failed` is final */
+        if (w) release_tiles();  /* the loop's end is a barrier: `failed` is final */
         if (!failed) {
             int64_t p = 0;
 #pragma omp for schedule(static)

@@ -1,17 +1,20 @@
-"""A packed step's attention on CPUs with AMX: a small C kernel, built with the machine's C compiler on first use.
+"""A packed step's attention on x86 CPUs with AVX-512 BF16: a small C kernel, built with the machine's C compiler on
+first use.
 
 Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
 stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
-each block of queries and reads the prefix at about a third of the memory's speed there. This kernel packs each run of
-256 keys once a call and attends every query row to it with AMX tiles (bfloat16 products summed in float32), so the
-call costs little more than reading the prefix. It merges its result into the attention the step holds for those rows,
-in place, so a step (`attention._attend_with_kernel`) makes one call per layer for every request's own positions
-(writing their new keys and values first; causal, with no mask built), then one per shared prefix, into one output,
-where it is returned. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix: 11.0 ms for 24 query rows (8
-decoding streams) against 16.4 for the flash kernel, 14.9 against 28.6 for 48 rows (README, "Benchmarks").
+each block of queries and reads the prefix at a fraction of the memory's speed there. This kernel packs each run of
+256 keys once a call and attends every query row to it in bfloat16 products summed in float32 (on AMX tiles where the
+CPU has AMX, in AVX-512 BF16 dot products elsewhere), so the call costs little more than reading the prefix. It merges
+its result into the attention the step holds for those rows, in place, so a step (`attention._attend_with_kernel`)
+makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
+mask built), then one per shared prefix, into one output, where it is returned. Measured on 2 cores, SmolLM2's 30
+layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8 decoding
+streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 8.5 against 22.3 and 12.4 against
+41.2 (README, "Benchmarks").
 
-It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AMX and
-AVX-512 BF16, for models without sliding windows or soft-capping. It is built once per source into
+It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AVX-512 BF16,
+for models without sliding windows or soft-capping. It is built once per source and CPU kind into
 `~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that is missing, `applies` says no and the step
 attends with torch's kernels, as before.
 """
@@ -34,9 +37,11 @@ import torch
 
 _log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("amx_attention.c")
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+_AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # added where the CPU has AMX: its products then run on the tiles
+_AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 
 
 def kernel_dir() -> Path:
@@ -144,10 +149,10 @@ def attend_parts(
         (ctypes.c_int64 * len(plans))(*plans),
     )
     if failed == -2:
-        raise MemoryError("the AMX attention kernel could not allocate its working memory")
+        raise MemoryError("the attention kernel could not allocate its working memory")
     if failed:
         shapes = [(part.length, tuple(part.kv.shape), part.tokens, part.causal_from) for part in parts]
-        raise ValueError(f"the AMX attention kernel does not take these sizes: {tuple(queries.shape)}, {shapes}")
+        raise ValueError(f"the attention kernel does not take these sizes: {tuple(queries.shape)}, {shapes}")
 
 
 def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
@@ -160,37 +165,37 @@ def _library() -> ctypes.CDLL | None:
     """Build (once per source) and load the kernel; None, said once in the log, where it cannot run."""
     why = _unavailable()
     if why is None:
-        try:
-            built = _built()
-            library = ctypes.CDLL(str(built))
-        except (OSError, subprocess.CalledProcessError) as error:
-            why = f"building it failed ({_first_line(error)})"
-        else:
-            if library.prefixgate_request_amx() != 0:
-                why = "Linux did not grant the AMX tile state"
-            else:
-                pointer, size = ctypes.c_void_p, ctypes.c_int64
-                # queries, output, lse, new keys and values with their strides; KV heads, groups, head size, the
-                # scale; the parts
-                rows: list[Any] = [pointer, size, size] * 5
-                library.prefixgate_attend_parts.argtypes = [*rows, size, size, size, ctypes.c_float, size, pointer]
-                library.prefixgate_attend_parts.restype = ctypes.c_int
-                _log.info("packed steps attend with the AMX kernel (%s)", built)
-                return library
-    _log.info("packed steps attend with torch's kernels: the AMX kernel %s", why)
+        flags = _builds()[-1]
+        loaded = _load(flags)
+        if not isinstance(loaded, str):
+            _log.info("packed steps attend with the C kernel (%s)", "AMX" if flags[-1] in _AMX_FLAGS else "AVX-512")
+            return loaded
+        why = loaded
+    _log.info("packed steps attend with torch's kernels: the C kernel %s", why)
     return None
+
+
+def _load(flags: tuple[str, ...]) -> ctypes.CDLL | str:
+    """Build the kernel with these flags (once per source) and load it; or say why that failed."""
+    try:
+        library = ctypes.CDLL(str(_built(flags)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        return f"building it failed ({_first_line(error)})"
+    if library.prefixgate_request_amx() != 0:
+        return "Linux did not grant the AMX tile state"
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    # queries, output, lse, new keys and values with their strides; KV heads, groups, head size, the scale; the parts
+    rows: list[Any] = [pointer, size, size] * 5
+    library.prefixgate_attend_parts.argtypes = [*rows, size, size, size, ctypes.c_float, size, pointer]
+    library.prefixgate_attend_parts.restype = ctypes.c_int
+    return library
 
 
 def _unavailable() -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"runs on Linux x86 only (this is {platform.system()} {platform.machine()})"
-    try:
-        flags = next(
-            set(line.split(":", 1)[1].split())
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
+    flags = _cpu_flags()
+    if flags is None:
         return "could not read the CPU's features from /proc/cpuinfo"
     missing = [flag for flag in _CPU_FLAGS if flag not in flags]
     if missing:
@@ -200,24 +205,44 @@ def _unavailable() -> str | None:
     return None
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    try:
+        return next(
+            frozenset(line.split(":", 1)[1].split())
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return None
+
+
+def _builds() -> list[tuple[str, ...]]:
+    """The compiler's flags of each build this CPU runs, the one used last: AVX-512 BF16 products, and where the CPU
+    has AMX, AMX tiles."""
+    has_amx = all(flag in (_cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
+    return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _built() -> Path:
-    """Return the kernel's shared library, compiling it first unless this source was built already."""
+def _built(flags: tuple[str, ...]) -> Path:
+    """Return the kernel's shared library built with `flags`, compiling it first unless this source was built so
+    already."""
     compiler = _compiler()
     assert compiler is not None
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"amx_attention-{digest}.so"
+    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    target = kernel_dir() / f"cpu_attention-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed onto it, so that servers starting together never load a partial file.
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
             partial = Path(folder) / target.name
             subprocess.run(
-                [compiler, *_FLAGS, "-o", str(partial), str(_SOURCE)], check=True, capture_output=True, text=True
+                [compiler, *flags, "-o", str(partial), str(_SOURCE)], check=True, capture_output=True, text=True
             )
             os.replace(partial, target)
     return target

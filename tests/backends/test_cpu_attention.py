@@ -1,4 +1,4 @@
-"""The AMX kernel for shared prefixes: built by the machine's compiler, exact to float32 scores, never required."""
+"""The C attention kernel (AVX-512 BF16 or AMX): built by the machine's compiler, exact to float32 scores, optional."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from prefixgate.backends import amx_attention
 from prefixgate.backends import attention as attention_module
+from prefixgate.backends import cpu_attention
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
@@ -20,7 +20,7 @@ from tests.backends.test_shared_prefix import prefix_blocks, run_shared, shared_
 from tests.backends.tiny_models import make_llama
 
 needs_kernel = pytest.mark.skipif(
-    amx_attention._library() is None, reason="the AMX kernel does not run here (see the log for why)"
+    cpu_attention._library() is None, reason="the C kernel does not run here (see the log for why)"
 )
 
 
@@ -44,9 +44,16 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         (4, 2, 7, 77, 128),  # a wider head
     ],
 )
+@pytest.mark.parametrize(
+    "build", cpu_attention._builds(), ids=lambda flags: "amx" if "-mamx-tile" in flags else "avx512"
+)
 def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
-    heads: int, kv_heads: int, count: int, tokens: int, head_dim: int
+    heads: int, kv_heads: int, count: int, tokens: int, head_dim: int, build: tuple[str, ...], monkeypatch: Any
 ) -> None:
+    # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there).
+    library = cpu_attention._load(build)
+    assert not isinstance(library, str), library
+    monkeypatch.setattr(cpu_attention, "_library", lambda: library)
     torch.manual_seed(0)
     scale = head_dim**-0.5
     queries = torch.randn(1, heads, count, head_dim).bfloat16()
@@ -55,8 +62,8 @@ def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
     held, held_lse = reference(queries, own[0], own[1], scale)  # what the step holds before the kernel runs
     out, lse = held.bfloat16(), held_lse.float()
     expected, expected_lse = reference(queries, kv[0], kv[1], scale)  # over both at once
-    assert amx_attention.applies(queries, prefix)
-    amx_attention.attend_into(queries, prefix, scale, out, lse)
+    assert cpu_attention.applies(queries, prefix)
+    cpu_attention.attend_into(queries, prefix, scale, out, lse)
     # Scores are exact products summed in float32; the error is bfloat16's, in the probabilities and the output.
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
@@ -70,7 +77,7 @@ def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(hist
     kv = (torch.randn(2, 3, history + count, 64) * 2).bfloat16()
     # Nothing held: minus infinity, and an output never initialised, which must not be read.
     out, lse = torch.full((1, 9, count, 64), float("nan")).bfloat16(), torch.full((1, 9, count), float("-inf"))
-    amx_attention.attend_into(queries, kv, 0.125, out, lse, causal_from=history)
+    cpu_attention.attend_into(queries, kv, 0.125, out, lse, causal_from=history)
     mask = attention_module._mask(history, count, 0, history + count, None, queries.device)
     expected, expected_lse = attention_module._attend_exactly(queries.float(), kv[0:1], kv[1:2], mask, 0.125)
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
@@ -91,10 +98,10 @@ def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only
     parts, first = [], 0
     for history, count in shapes:
         buffer = (torch.randn(2, 2, 3, history + count + 17, 64) * 2).bfloat16()  # room past the positions filled
-        parts.append(amx_attention.Part(first, count, buffer, 1, history + count, history))
+        parts.append(cpu_attention.Part(first, count, buffer, 1, history + count, history))
         first += count
     untouched = [part.kv.clone() for part in parts]
-    amx_attention.attend_parts(queries, parts, 0.125, out, lse, new=(new_keys, new_values))
+    cpu_attention.attend_parts(queries, parts, 0.125, out, lse, new=(new_keys, new_values))
     for part, before in zip(parts, untouched, strict=True):
         rows, end = slice(part.first, part.first + part.length), part.tokens
         expected_kv = before.clone()
@@ -118,7 +125,7 @@ def test_queries_and_outputs_are_read_and_written_where_their_strides_say() -> N
     out = torch.zeros(1, 7, 12, 64).bfloat16().transpose(1, 2)  # [1, heads, count, d] stored position-major
     lse = torch.full((1, 12, 20), float("-inf"))[:, :, ::3][:, :, :7]  # every third: nothing held there yet
     untouched = lse.clone()
-    amx_attention.attend_into(queries, kv, 0.125, out, lse)
+    cpu_attention.attend_into(queries, kv, 0.125, out, lse)
     expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
@@ -153,9 +160,9 @@ async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give
     prompt = make_prompt(60)
     alone = (await collect(backend, prompt)).token_ids
     blocks = await prefix_blocks(backend, prompt)
-    attend, shared_keys, own_calls = amx_attention.attend_parts, [], []
+    attend, shared_keys, own_calls = cpu_attention.attend_parts, [], []
 
-    def counted(queries: torch.Tensor, parts: list[amx_attention.Part], *rest: Any, **named: Any) -> None:
+    def counted(queries: torch.Tensor, parts: list[cpu_attention.Part], *rest: Any, **named: Any) -> None:
         for part in parts:
             if part.causal_from is None:
                 shared_keys.append(part.tokens)
@@ -163,7 +170,7 @@ async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give
                 own_calls.append(part.causal_from)
         attend(queries, parts, *rest, **named)
 
-    monkeypatch.setattr(amx_attention, "attend_parts", counted)
+    monkeypatch.setattr(cpu_attention, "attend_parts", counted)
     assert await run_shared(backend, prompt, blocks[:6]) == alone
     # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each, and over the
     # request's own positions.
@@ -186,7 +193,7 @@ def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and
     logits = {}
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(amx_attention, "_library", lambda: None)
+            monkeypatch.setattr(cpu_attention, "_library", lambda: None)
         own, whole = torch.zeros(shape, dtype=torch.bfloat16), first.clone()
         with torch.inference_mode():
             # A prompt chunk after the prefix, then a decode step, of each at once.
@@ -198,44 +205,44 @@ def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and
             )
         logits[kernel] = torch.cat((chunk, decode))
     # The model runs in bfloat16 and the paths round at different places: a few of its units at the logits' size
-    # (on a shared prefix torch's flash kernel lands 2.5 units from one buffer here, the AMX kernel 2.25).
+    # (on a shared prefix torch's flash kernel lands 2.5 units from one buffer here, the C kernel 2.25).
     unit = 2.0 ** (torch.floor(torch.log2(logits[False].abs().max())) - 7)
     torch.testing.assert_close(logits[True], logits[False], atol=4 * unit.item(), rtol=0)
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
 
 
 def test_float32_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
-    assert not amx_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64))  # float32
-    assert not amx_attention.applies(torch.randn(1, 3, 4, 16).bfloat16(), torch.randn(2, 3, 64, 16).bfloat16())
+    assert not cpu_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64))  # float32
+    assert not cpu_attention.applies(torch.randn(1, 3, 4, 16).bfloat16(), torch.randn(2, 3, 64, 16).bfloat16())
 
 
 def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
-    if amx_attention._unavailable() not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
-        pytest.skip(f"the kernel cannot run on this machine anyway: {amx_attention._unavailable()}")
-    monkeypatch.setattr(amx_attention, "kernel_dir", lambda: tmp_path)
+    if cpu_attention._unavailable() not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
+        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention._unavailable()}")
+    monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    with caplog.at_level(logging.INFO, logger=amx_attention.__name__):
-        assert amx_attention._library.__wrapped__() is None
-    assert "attend with torch's kernels: the AMX kernel building it failed" in caplog.text
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        assert cpu_attention._library.__wrapped__() is None
+    assert "attend with torch's kernels: the C kernel building it failed" in caplog.text
     assert not list(tmp_path.glob("*.so"))
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(amx_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=amx_attention.__name__):
-        assert amx_attention._library.__wrapped__() is None
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        assert cpu_attention._library.__wrapped__() is None
     assert "needs a C compiler: none found as $CC, cc or gcc" in caplog.text
 
 
 @needs_kernel
 def test_the_kernel_is_built_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(amx_attention, "kernel_dir", lambda: tmp_path)
-    assert amx_attention._library.__wrapped__() is not None
-    (built,) = tmp_path.glob("amx_attention-*.so")
+    monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
+    assert cpu_attention._library.__wrapped__() is not None
+    (built,) = tmp_path.glob("cpu_attention-*.so")
     stamp = built.stat().st_mtime_ns
-    assert amx_attention._library.__wrapped__() is not None
-    assert [p.stat().st_mtime_ns for p in tmp_path.glob("amx_attention-*.so")] == [stamp]
+    assert cpu_attention._library.__wrapped__() is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_attention-*.so")] == [stamp]
 
 
 @needs_kernel
@@ -250,7 +257,7 @@ def test_torchs_own_users_of_the_matrix_tiles_run_as_before_between_kernel_calls
 
     def kernel() -> torch.Tensor:
         out, lse = torch.zeros(1, 9, 8, 64).bfloat16(), torch.full((1, 9, 8), float("-inf"))
-        amx_attention.attend_into(queries, kv, 0.125, out, lse)
+        cpu_attention.attend_into(queries, kv, 0.125, out, lse)
         return out
 
     with torch.inference_mode():

@@ -222,36 +222,43 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
     }
 }
 #else
-/* Scores of `rows` query rows from r0 against 16 keys (a group of the packed keys), one accumulator a row: each
-   vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast to it. */
-static inline __attribute__((always_inline)) void score_rows(scratch *w, const uint32_t *keys, int64_t g, int64_t r0,
-                                                             const int rows, int64_t d) {
-    __m512 acc[8];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+/* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
+   a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
+static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
+                                                             int64_t d) {
+    __m512 acc[8][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint32_t *q = (const uint32_t *)(w->queries + r0 * d);
+    const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
     for (int64_t pair = 0; pair < d / 2; pair++) {
-        const __m512bh k = (__m512bh)_mm512_load_si512(keys + (pair / 16) * 256 + (pair % 16) * 16);
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]), k);
+        const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
+        }
     }
-    for (int r = 0; r < rows; r++) _mm512_store_ps(w->scores + (r0 + r) * KEYS + g, acc[r]);
+    for (int r = 0; r < rows; r++) {
+        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g, acc[r][0]);
+        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g + 16, acc[r][1]);
+    }
 }
 
 static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
     (void)tiles;
-    for (int64_t g = 0; g < padded; g += 16) {
-        const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256;
+    for (int64_t g = 0; g < padded; g += 32) {  /* padded: a multiple of 32 */
         int64_t r = 0;
-        for (; r + 8 <= count; r += 8) score_rows(w, keys, g, r, 8, d);
+        for (; r + 8 <= count; r += 8) score_rows(w, g, r, 8, d);
         if (count - r >= 4) {
-            score_rows(w, keys, g, r, 4, d);
+            score_rows(w, g, r, 4, d);
             r += 4;
         }
         if (count - r >= 2) {
-            score_rows(w, keys, g, r, 2, d);
+            score_rows(w, g, r, 2, d);
             r += 2;
         }
-        if (count - r >= 1) score_rows(w, keys, g, r, 1, d);
+        if (count - r >= 1) score_rows(w, g, r, 1, d);
     }
 }
 
@@ -478,6 +485,13 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
                 pack(k + t0 * d, v + t0 * d, n, d, w);
+                if (c + 1 < last) {  /* the next chunk's keys and values on their way to the cache meanwhile */
+                    const int64_t next = pp->tokens - t0 - KEYS < KEYS ? pp->tokens - t0 - KEYS : KEYS;
+                    for (int64_t b = 0; b < next * d * 2; b += 64) {
+                        _mm_prefetch((const char *)(k + (t0 + KEYS) * d) + b, _MM_HINT_T1);
+                        _mm_prefetch((const char *)(v + (t0 + KEYS) * d) + b, _MM_HINT_T1);
+                    }
+                }
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
                     attend_block(&x, h, r0, block, t0, n, d, scale, w);

@@ -1,0 +1,73 @@
+"""A step's attention over a prefix, alone: the C kernel against torch's CPU flash kernel, SmolLM2's shapes.
+
+Run by hand: `.venv/bin/python benchmarks/attention_bench.py` (about ten seconds). Random bfloat16 queries of 9 heads
+attend over a prefix of 3 KV heads (head size 64) in each of 30 layers, as a step of SmolLM2 does over a shared
+prefix: N decoding streams are N queries per head, 16 prompts of 27 tokens are 432. Prints the median time of the 30
+layers for the kernel (`backends/cpu_attention.c`, its output merged into what the step holds, as a step calls it)
+and for torch's flash kernel (the prefix in halves, as `attention._attend_prefix` calls it, before the merge).
+Where the kernel does not run (no AVX-512 BF16, no compiler) only torch's column is filled.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from batching_bench import table
+
+from prefixgate.backends import cpu_attention
+from prefixgate.backends.attention import _attend_prefix
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
+CASES = [  # (what the rows are, queries per head, prefix tokens)
+    ("1 stream", 1, 4096),
+    ("8 streams", 8, 4096),
+    ("16 streams", 16, 4096),
+    ("16 streams", 16, 7168),
+    ("16 prompts of 27 tokens", 432, 4096),
+]
+
+
+def median_ms(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def kernel_layers(queries: torch.Tensor, kv: torch.Tensor) -> None:
+    out, lse = torch.empty_like(queries), torch.empty(queries.shape[:3])
+    for layer in range(LAYERS):
+        lse.fill_(float("-inf"))  # nothing held: the kernel writes its own attention
+        cpu_attention.attend_into(queries, kv[layer], HEAD_DIM**-0.5, out, lse)
+
+
+def torch_layers(queries: torch.Tensor, kv: torch.Tensor) -> None:
+    grouped = queries.reshape(1, KV_HEADS, -1, HEAD_DIM)  # each KV head's queries together, as a step groups them
+    for layer in range(LAYERS):
+        _attend_prefix(grouped, kv[layer], HEAD_DIM**-0.5)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    kernel = cpu_attention.prepare()
+    print(f"{torch.get_num_threads()} threads; the C kernel {'runs' if kernel else 'does not run'} here\n")
+    rows = []
+    for name, queries_per_head, tokens in CASES:
+        kv = torch.randn(LAYERS, 2, KV_HEADS, tokens, HEAD_DIM).bfloat16()
+        queries = torch.randn(1, HEADS, queries_per_head, HEAD_DIM).bfloat16()
+        repeats = 3 if queries_per_head > 100 else 9
+        theirs = median_ms(functools.partial(torch_layers, queries, kv), repeats)
+        mine = median_ms(functools.partial(kernel_layers, queries, kv), repeats) if kernel else float("nan")
+        rows.append([name, str(tokens), f"{mine:.1f} ms", f"{theirs:.1f} ms", f"{theirs / mine:.1f}x"])
+    table(["queries", "prefix", "C kernel", "torch's flash kernel", "speed-up"], rows)
+
+
+if __name__ == "__main__":
+    main()

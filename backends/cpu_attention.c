@@ -1,13 +1,14 @@
 /* A packed step's attention on x86 CPUs with AVX-512 BF16 (and AMX where there is): see cpu_attention.py.
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
-   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time (K transposed for the score
-   tiles, V with the keys of each pair interleaved for the output tiles), so every key and value is read from memory
-   once a call, then attends the part's query rows to them, 16 keys by up to 16 rows at a time: scores in float32 from bfloat16
-   products, softmax in float32 (exponentials in base 2, the scale folded in), probabilities rounded to bfloat16 for
-   the product with V (as torch's flash kernel does). A row sees every key, or causally those up to its own position.
-   An item keeps an unnormalised output, the max of the scores and the sum of their exponentials for each row; at the
-   end they merge across items and into the attention the caller holds over other keys, by log-sum-exp. */
+   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time (K transposed so that a vector
+   holds one column pair of 16 keys, V with the keys of each pair interleaved), so every key and value is read from
+   memory once a call, then attends the part's query rows to them: scores in float32 from bfloat16 products (AMX tiles
+   of 16 rows by 16 keys, or AVX-512 BF16 dot products of up to 8 rows by 32 keys), softmax in float32 (exponentials in
+   base 2, the scale folded in), probabilities rounded to bfloat16 for the product with V (as torch's flash kernel
+   does). A row sees every key, or causally those up to its own position. An item keeps an unnormalised output, the
+   max of the scores and the sum of their exponentials for each row; at the end they merge across items and into the
+   attention the caller holds over other keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -17,7 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define ROWS 64   /* query rows attended together: 4 tiles of 16 */
+#define ROWS 64   /* query rows attended together (4 AMX tiles of 16) */
 #define KEYS 256  /* keys packed together */
 #define MAX_DIM 256
 #define MAX_SPLITS 8  /* runs of keys per head, each an item of work */
@@ -222,13 +223,15 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
     }
 }
 #else
+typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
+
 /* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
    a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
 static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
                                                              int64_t d) {
     __m512 acc[8][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint32_t *q = (const uint32_t *)(w->queries + r0 * d);
+    const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
     const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
     for (int64_t pair = 0; pair < d / 2; pair++) {
         const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
@@ -270,7 +273,7 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const uint16_t *values = w->values + (c / 16) * blocks * 512;
-    const uint32_t *p = (const uint32_t *)(w->probabilities + r0 * KEYS);
+    const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
     for (int64_t pair = 0; pair < blocks * 16; pair++) {
         __m512bh v[4];
         for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);

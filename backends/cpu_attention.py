@@ -165,12 +165,17 @@ def _library() -> ctypes.CDLL | None:
     """Build (once per source) and load the kernel; None, said once in the log, where it cannot run."""
     why = _unavailable()
     if why is None:
-        flags = _builds()[-1]
-        loaded = _load(flags)
-        if not isinstance(loaded, str):
-            _log.info("packed steps attend with the C kernel (%s)", "AMX" if flags[-1] in _AMX_FLAGS else "AVX-512")
-            return loaded
-        why = loaded
+        # Where the CPU has AMX its build comes first; where that one fails (an older compiler, a Linux that does not
+        # grant the tiles), the AVX-512 BF16 build.
+        failures: list[str] = []
+        for flags in reversed(_builds()):
+            name = "AMX" if "-mamx-tile" in flags else "AVX-512 BF16"
+            loaded = _load(flags)
+            if not isinstance(loaded, str):
+                _log.info("packed steps attend with the C kernel (%s)%s", name, "".join(f"; {f}" for f in failures))
+                return loaded
+            failures.append(f"{loaded} ({name})")
+        why = "; ".join(failures)
     _log.info("packed steps attend with torch's kernels: the C kernel %s", why)
     return None
 

@@ -236,6 +236,30 @@ def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_
 
 
 @needs_kernel
+def test_where_the_amx_build_fails_the_avx512_build_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    # A CPU said to have AMX, and an AMX build the compiler refuses (a flag it does not know): the other build runs.
+    monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(
+        cpu_attention, "_cpu_flags", lambda: frozenset(cpu_attention._CPU_FLAGS + ("amx_tile", "amx_bf16"))
+    )
+    monkeypatch.setattr(cpu_attention, "_AMX_FLAGS", ("-mamx-tile", "-mno-such-option"))
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        library = cpu_attention._library.__wrapped__()
+    assert library is not None
+    assert "attend with the C kernel (AVX-512 BF16); building it failed" in caplog.text
+    assert "(AMX)" in caplog.text
+    monkeypatch.setattr(cpu_attention, "_library", lambda: library)
+    queries, kv = torch.randn(1, 9, 4, 64).bfloat16(), torch.randn(2, 3, 300, 64).bfloat16()
+    out, lse = torch.zeros(1, 9, 4, 64).bfloat16(), torch.full((1, 9, 4), float("-inf"))
+    cpu_attention.attend_into(queries, kv, 0.125, out, lse)
+    expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+
+
+@needs_kernel
 def test_the_kernel_is_built_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     assert cpu_attention._library.__wrapped__() is not None

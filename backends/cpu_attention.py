@@ -10,8 +10,8 @@ its result into the attention the step holds for those rows, in place, so a step
 makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
 mask built), then one per shared prefix, into one output, where it is returned. Measured on 2 cores, SmolLM2's 30
 layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8 decoding
-streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 8.5 against 22.3 and 12.4 against
-41.2 (README, "Benchmarks").
+streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 7.0 against 22.9 and 11.1 against
+39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AVX-512 BF16,
 for models without sliding windows or soft-capping. It is built once per source and CPU kind into
@@ -169,7 +169,7 @@ def _library() -> ctypes.CDLL | None:
         # grant the tiles), the AVX-512 BF16 build.
         failures: list[str] = []
         for flags in reversed(_builds()):
-            name = "AMX" if "-mamx-tile" in flags else "AVX-512 BF16"
+            name = build_name(flags)
             loaded = _load(flags)
             if not isinstance(loaded, str):
                 _log.info("packed steps attend with the C kernel (%s)%s", name, "".join(f"; {f}" for f in failures))
@@ -227,6 +227,11 @@ def _builds() -> list[tuple[str, ...]]:
     has AMX, AMX tiles."""
     has_amx = all(flag in (_cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
     return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
+
+
+def build_name(flags: tuple[str, ...]) -> str:
+    """Say what a build's products run on: "AMX" or "AVX-512 BF16"."""
+    return "AMX" if _AMX_FLAGS[0] in flags else "AVX-512 BF16"
 
 
 def _compiler() -> str | None:

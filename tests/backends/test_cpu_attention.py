@@ -44,11 +44,15 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         (4, 2, 7, 77, 128),  # a wider head
     ],
 )
-@pytest.mark.parametrize(
-    "build", cpu_attention._builds(), ids=lambda flags: "amx" if "-mamx-tile" in flags else "avx512"
-)
+@pytest.mark.parametrize("build", cpu_attention._builds(), ids=cpu_attention.build_name)
 def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
-    heads: int, kv_heads: int, count: int, tokens: int, head_dim: int, build: tuple[str, ...], monkeypatch: Any
+    heads: int,
+    kv_heads: int,
+    count: int,
+    tokens: int,
+    head_dim: int,
+    build: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there).
     library = cpu_attention._load(build)

@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefixgate import __version__
+from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError
 from prefixgate.proxy.app import SETTINGS
 from prefixgate.proxy.cli import _banner, _JSONFormatter, main
@@ -151,9 +153,12 @@ def test_a_port_in_use_is_reported_before_the_model_loads(capsys: pytest.Capture
 async def test_the_start_banner_names_the_store_its_tiers_and_the_dashboard(serve: Serve, tmp_path: Path) -> None:
     client = await serve(host_budget="256MiB", disk_budget="1GiB", admin_key="sk-admin")
     settings = client.app[SETTINGS]
+    # The tiny model is built in float32; the banner says why only where float32 is also what auto chooses here.
+    chosen, why = auto_dtype(torch.device("cpu"))
+    reason = f" ({why}; --dtype sets it)" if chosen == torch.float32 else ""
     assert _banner(client.app, settings).splitlines() == [
         f"prefixgate {__version__} serving {MODEL} on http://127.0.0.1:8000/v1",
-        "  model in float32 on cpu",  # the tiny model is built in float32, whatever auto would choose
+        f"  model in float32{reason} on cpu",
         "  steps eager (--compile sets it)",
         f"  store in {tmp_path / 'store'}: host 256MiB, disk 1GiB",
         "  admin dashboard: http://127.0.0.1:8000/admin/",

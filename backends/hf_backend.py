@@ -160,7 +160,7 @@ class HFBackend:
         self.compiling: threading.Thread | None = None
         self.steps = "eager"  # "compiling", then "compiled", or "eager" again when compiling failed
         if compile_steps == "auto":
-            compile_steps = self.prepacked > 0
+            compile_steps = self.prepacked > 0 and model.dtype == torch.bfloat16
         if compile_steps and self.prefix_reuse:
             self.steps = "compiling"
             self.compiling = threading.Thread(

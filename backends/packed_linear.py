@@ -1,18 +1,25 @@
-"""Linear layers whose weights are laid out once for oneDNN's bfloat16 kernels on a CPU.
+"""Linear layers whose weights are laid out once for oneDNN's kernels on a CPU.
 
 A bfloat16 matrix product on a CPU goes to oneDNN, which first reorders the weight into the blocked layout its AMX and
 AVX-512 kernels read, on every call. Reordered once at load, the same kernels skip that work: measured on SmolLM2 and
 2 cores, each projection and MLP product of a decode step (1 to 30 rows) ran 1.7 to 2.5 times as fast and the output
 projection 1.6 times; 512-row prompt chunks gain less (1.2 times on the MLP). Products come out equal, or a unit in
 the last place apart where a shape makes the kernels sum in another order (as a different batch does), so answers
-are bfloat16's as before (benchmarks/quality_bench.py). In float32 most products ran slower that way, so float32
-keeps torch's own path. This is what `torch.compile`'s weight prepacking does for linear layers, without compiling.
+are bfloat16's as before (benchmarks/quality_bench.py). This is what `torch.compile`'s weight prepacking does for
+linear layers, without compiling.
+
+A float32 product goes to MKL instead. On an Intel Xeon most of them ran slower prepacked for oneDNN, so float32 keeps
+torch's own path there; on an AMD EPYC (Zen 3, AVX2) MKL's ran slower (the output projection of 8 rows 2.9 times), and
+a whole step of SmolLM2 ran 1.3 to 1.7 times as fast prepacked for 1 to 16 decoding streams (1.2 to 1.4 times for
+prompts; README, "Benchmarks"), so float32 weights are prepacked on AMD's x86 CPUs.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -55,8 +62,8 @@ def _(x: torch.Tensor, number: int) -> torch.Tensor:
 
 
 def prepack_linear_weights(model: torch.nn.Module) -> int:
-    """Replace every plain `torch.nn.Linear` of a bfloat16 model on a CPU by a `PackedLinear`, in place; return how
-    many were replaced (0 where it does not apply: another device or dtype, or a torch built without oneDNN).
+    """Replace every plain `torch.nn.Linear` of a model on a CPU by a `PackedLinear`, in place, where its dtype is one
+    `packs`; return how many were replaced (0 where it does not apply).
 
     The replaced layers' weights are no longer parameters: fingerprint the model before.
     """
@@ -73,10 +80,24 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
 def applies(model: torch.nn.Module) -> bool:
     """Say whether `prepack_linear_weights` would pack this model's layers."""
     weight = next(model.parameters(), None)
-    return (
-        weight is not None
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    return weight is not None and weight.device.type == "cpu" and packs(weight.dtype)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Say whether linear weights of `dtype` on this CPU are prepacked: bfloat16 where oneDNN computes it, float32 on
+    AMD's x86 CPUs (see the module's docstring), nothing where torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """Return the CPU's vendor as x86 CPUs name it (`GenuineIntel`, `AuthenticAMD`), or "" where Linux does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")

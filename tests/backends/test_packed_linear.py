@@ -1,4 +1,5 @@
-"""Prepacked linear layers: a bfloat16 model on a CPU computes what it computed before, from oneDNN's own layout."""
+"""Prepacked linear layers: a model on a CPU computes what it computed before, from oneDNN's own layout (bfloat16 where
+oneDNN computes it, float32 on AMD's CPUs)."""
 
 from __future__ import annotations
 
@@ -8,33 +9,39 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from prefixgate.backends import HFBackend, SamplingParams
-from prefixgate.backends.packed_linear import PackedLinear, applies, prepack_linear_weights
+from prefixgate.backends import HFBackend, SamplingParams, packed_linear
+from prefixgate.backends.packed_linear import PackedLinear, applies, packs, prepack_linear_weights
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
 
-pytestmark = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU or torch build has no oneDNN bfloat16 kernels",
-)
+PACKED = [dtype for dtype in (torch.bfloat16, torch.float32) if packs(dtype)]  # what this CPU packs
+# A packed product is at most a unit in the last place from the plain one where the kernels sum in another order.
+LAST_PLACE = {torch.bfloat16: 2**-7, torch.float32: 2**-20}
+on_packing_cpus = pytest.mark.skipif(not PACKED, reason="this CPU or torch build packs no linear weights")
+packed_dtypes = pytest.mark.parametrize("dtype", PACKED, ids=str)
 
 
+@on_packing_cpus
+@packed_dtypes
 @pytest.mark.parametrize("rows", [1, 8, 300])
-def test_a_packed_layer_gives_what_the_plain_one_gives(rows: int) -> None:
+def test_a_packed_layer_gives_what_the_plain_one_gives(rows: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
-    x = torch.randn(1, rows, 96, dtype=torch.bfloat16)  # x: [batch, rows, in_features]
+    linear = torch.nn.Linear(96, 160, bias=True).to(dtype)
+    x = torch.randn(1, rows, 96, dtype=dtype)  # x: [batch, rows, in_features]
     with torch.inference_mode():
         expected = linear(x)
         out = PackedLinear(linear)(x)
     assert out.shape == expected.shape == (1, rows, 160)
-    # bfloat16 outputs: at most a unit in the last place apart where the kernels sum in another order.
-    torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+    torch.testing.assert_close(out, expected, atol=LAST_PLACE[dtype], rtol=LAST_PLACE[dtype])
 
 
-def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(llama: PreTrainedModel) -> None:
-    model = copy.deepcopy(llama).to(torch.bfloat16)
+@on_packing_cpus
+@packed_dtypes
+def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(
+    llama: PreTrainedModel, dtype: torch.dtype
+) -> None:
+    model = copy.deepcopy(llama).to(dtype)
     plain = sum(type(m) is torch.nn.Linear for m in model.modules())
     ids = torch.tensor([make_prompt(40)])
     with torch.inference_mode():
@@ -48,19 +55,32 @@ def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(llama
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_float32_models_and_backends_built_without_it_stay_unpacked(
+def test_float32_is_packed_on_amd_cpus_only_and_half_precision_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        pytest.skip("this torch build has no oneDNN")
+    for vendor, float32 in [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)]:
+        monkeypatch.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert packs(torch.float32) is float32
+        assert not packs(torch.float16)
+
+
+def test_models_this_cpu_does_not_pack_and_backends_built_without_it_stay_unpacked(
     llama: PreTrainedModel, make_backend: BackendFactory
 ) -> None:
-    assert not applies(llama) and prepack_linear_weights(llama) == 0
-    backend: HFBackend = make_backend(copy.deepcopy(llama).to(torch.bfloat16))
+    float16 = copy.deepcopy(llama).to(torch.float16)
+    assert not applies(float16) and prepack_linear_weights(float16) == 0
+    assert applies(llama) is packs(torch.float32)
+    backend: HFBackend = make_backend(copy.deepcopy(llama))
     assert backend.prepacked == 0
 
 
+@on_packing_cpus
+@packed_dtypes
 async def test_a_prepacked_backend_serves_and_keeps_its_fingerprint(
-    llama: PreTrainedModel, make_backend: BackendFactory
+    llama: PreTrainedModel, make_backend: BackendFactory, dtype: torch.dtype
 ) -> None:
-    plain = make_backend(copy.deepcopy(llama).to(torch.bfloat16))
-    packed = make_backend(copy.deepcopy(llama).to(torch.bfloat16), prepack_weights=True)
+    plain = make_backend(copy.deepcopy(llama).to(dtype))
+    packed = make_backend(copy.deepcopy(llama).to(dtype), prepack_weights=True)
     assert packed.prepacked > 0 and packed.fingerprint == plain.fingerprint
     answer = await collect(packed, make_prompt(30), params=SamplingParams(max_tokens=8, temperature=0.0))
     assert len(answer.token_ids) == 8 or answer.finish_reason == "stop"

@@ -10,7 +10,7 @@ linear layers, without compiling.
 
 A float32 product goes to MKL instead. On an Intel Xeon most of them ran slower prepacked for oneDNN, so float32 keeps
 torch's own path there; on an AMD EPYC (Zen 3, AVX2) MKL's ran slower (the output projection of 8 rows 2.9 times), and
-a whole step of SmolLM2 ran 1.3 to 1.7 times as fast prepacked for 1 to 16 decoding streams (1.2 to 1.4 times for
+a whole step of SmolLM2 ran 1.3 to 1.4 times as fast prepacked for 1 to 16 decoding streams (1.1 to 1.4 times for
 prompts; README, "Benchmarks"), so float32 weights are prepacked on AMD's x86 CPUs.
 """
 

@@ -137,8 +137,10 @@ def test_auto_compiles_where_bfloat16_linear_weights_are_packed(
 
     monkeypatch.setattr(model_runner.torch, "compile", noted)
     # float32 stays eager, its weights packed (on AMD's CPUs) or not
-    float32 = make_backend(make_llama(tokenizer), compile_steps="auto", prepack_weights=True)
-    assert (float32.steps, float32.compiling, float32.prepacked > 0) == ("eager", None, applies(make_llama(tokenizer)))
+    llama = make_llama(tokenizer)
+    packed_here = applies(llama)
+    float32 = make_backend(llama, compile_steps="auto", prepack_weights=True)
+    assert (float32.steps, float32.compiling, float32.prepacked > 0) == ("eager", None, packed_here)
     bfloat16 = make_llama(tokenizer).to(torch.bfloat16)
     if not applies(bfloat16):
         pytest.skip("this CPU or torch build has no oneDNN bfloat16 kernels to pack weights for")

@@ -1,14 +1,14 @@
-/* A packed step's attention on x86 CPUs with AVX-512 BF16 (and AMX where there is): see cpu_attention.py.
+/* A packed step's attention on x86 CPUs: see cpu_attention.py. Built one of two ways: for bfloat16 on AVX-512 BF16 (and
+   AMX where there is), or with -DFLOAT32 for float32 on AVX2 and FMA; the inner parts of each are in
+   cpu_attention_bf16.h and cpu_attention_f32.h, the call and its sharing out of work here.
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
-   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time (K transposed so that a vector
-   holds one column pair of 16 keys, V with the keys of each pair interleaved), so every key and value is read from
-   memory once a call, then attends the part's query rows to them: scores in float32 from bfloat16 products (AMX tiles
-   of 16 rows by 16 keys, or AVX-512 BF16 dot products of up to 8 rows by 32 keys), softmax in float32 (exponentials in
-   base 2, the scale folded in), probabilities rounded to bfloat16 for the product with V (as torch's flash kernel
-   does). A row sees every key, or causally those up to its own position. An item keeps an unnormalised output, the
-   max of the scores and the sum of their exponentials for each row; at the end they merge across items and into the
-   attention the caller holds over other keys, by log-sum-exp. */
+   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time, so that every key is read
+   from memory once a call, then attends the part's query rows to them: scores in float32, softmax in float32
+   (exponentials in base 2, the scale folded in), then the probabilities times V. A row sees every key, or causally
+   those up to its own position. An item keeps an unnormalised output, the max of the scores and the sum of their
+   exponentials for each row; at the end they merge across items and into the attention the caller holds over other
+   keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -18,129 +18,28 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define ROWS 64   /* query rows attended together (4 AMX tiles of 16) */
+#define ROWS 64   /* query rows attended together */
 #define KEYS 256  /* keys packed together */
 #define MAX_DIM 256
 #define MAX_SPLITS 8  /* runs of keys per head, each an item of work */
 
-/* Built with AMX (-mamx-tile -mamx-bf16) the products run on its tiles; without, on AVX-512 BF16 dot products. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define AMX 1
+#if FLOAT32
+typedef float elem;
+#define DIM_MULTIPLE 16  /* the float32 products run 16 columns at a time */
 #else
-#define AMX 0
+typedef uint16_t elem;  /* bfloat16's bits */
+#define DIM_MULTIPLE 64  /* the bfloat16 products run 64 columns at a time */
 #endif
 
-#if AMX
-/* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 when granted. */
-int prefixgate_request_amx(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure_tiles(void) {  /* all eight tiles 16 rows of 64 bytes */
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        config.bytes_per_row[i] = 64;
-        config.rows[i] = 16;
-    }
-    _tile_loadconfig(&config);
-}
-
-static void release_tiles(void) { _tile_release(); }
-#else
-int prefixgate_request_amx(void) { return 0; }
-static void configure_tiles(void) {}
-static void release_tiles(void) {}
-#endif
-
-static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finite t <= 0; 0 below -150 */
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-}
-
-typedef struct {
-    uint32_t keys[(KEYS / 16) * (MAX_DIM / 32) * 256];  /* per 16 keys and 32 columns: 16 column pairs x 16 keys */
-    uint16_t values[(MAX_DIM / 16) * (KEYS / 2) * 32];  /* per 16 columns and 32 keys: 16 key pairs x 16 columns */
-    uint16_t queries[ROWS * MAX_DIM];                   /* a block of query rows, padded to whole tiles */
-    float scores[ROWS * KEYS];
-    uint16_t probabilities[ROWS * KEYS];
-    float out[ROWS * MAX_DIM];                          /* the block's unnormalised output */
-    float max[ROWS], sum[ROWS];
-} scratch;
-
-/* Pack keys [0, n) of K and V (rows of d) for the tiles; keys past n are zeros. */
-static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, scratch *w) {
-    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    for (int64_t g = 0; g < padded; g += 16) {
-        const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
-        for (int64_t slab = 0; slab < slabs; slab++) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = i < keys ? _mm512_loadu_si512(k + (g + i) * d + slab * 32) : _mm512_setzero_si512();
-            transpose16(r);
-            uint32_t *tile = w->keys + ((g / 16) * slabs + slab) * 256;
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(tile + i * 16, r[i]);
-        }
-    }
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    for (int64_t pair = 0; pair < padded / 2; pair++) {
-        const int64_t a = 2 * pair, b = 2 * pair + 1, block = pair / 16, row = pair % 16;
-        for (int64_t c = 0; c < d; c += 32) {
-            const __m512i x = a < n ? _mm512_loadu_si512(v + a * d + c) : _mm512_setzero_si512();
-            const __m512i y = b < n ? _mm512_loadu_si512(v + b * d + c) : _mm512_setzero_si512();
-            const int64_t j = c / 16;
-            _mm512_store_si512(w->values + ((j * blocks + block) * 16 + row) * 32, _mm512_permutex2var_epi16(x, low, y));
-            _mm512_store_si512(w->values + (((j + 1) * blocks + block) * 16 + row) * 32,
-                               _mm512_permutex2var_epi16(x, high, y));
-        }
-    }
-}
+/* 2^f for f in [-1/2, 1/2] to float32 precision: a polynomial's coefficients, highest degree first (each build's
+   exponentials: 2^t is 2^round(t) times this at t - round(t)). */
+static const float EXP2_POLYNOMIAL[7] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.618129107628477e-3f,
+                                         5.550410866482158e-2f,  2.402265069591007e-1f,  6.931471805599453e-1f, 1.0f};
 
 /* Where the queries, outputs and log-sum-exps are: row p of query head h at base + h * head + p * row (elements). */
 typedef struct {
-    const uint16_t *q;
-    uint16_t *out;
+    const elem *q;
+    elem *out;
     float *lse;
     int64_t q_head, q_row, out_head, out_row, lse_head, lse_row;
     int64_t groups, count;  /* query heads per KV head, and rows per query head */
@@ -150,244 +49,19 @@ typedef struct {
 /* Query row i of KV head h's grouped rows (query head h * groups + i / count, position i % count). */
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
-#if AMX
-/* Scores of the block's query rows (in tiles of 16) against the packed keys, into w->scores. */
-static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
-    (void)count;
-    const int64_t slabs = d / 32;
-    /* 16 rows by 16 keys a tile: the products summed over slabs of 32 columns, each key tile loaded once for
-       every row tile (accumulators 0 to 3, keys 4 and 5, queries 6 and 7). */
-    for (int64_t g = 0; g < padded; g += 16) {
-        const uint32_t *keys = w->keys + (g / 16) * slabs * 256;
-        for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-            const int64_t tn = tiles - t0 < 4 ? tiles - t0 : 4;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t slab = 0; slab < slabs; slab++) {
-                const uint16_t *q = w->queries + t0 * 16 * d + slab * 32;
-                _tile_loadd(4, keys + slab * 256, 64);
-                _tile_loadd(6, q, d * 2);
-                _tile_dpbf16ps(0, 6, 4);
-                if (tn > 1) {
-                    _tile_loadd(7, q + 16 * d, d * 2);
-                    _tile_dpbf16ps(1, 7, 4);
-                }
-                if (tn > 2) {
-                    _tile_loadd(6, q + 32 * d, d * 2);
-                    _tile_dpbf16ps(2, 6, 4);
-                }
-                if (tn > 3) {
-                    _tile_loadd(7, q + 48 * d, d * 2);
-                    _tile_dpbf16ps(3, 7, 4);
-                }
-            }
-            float *scores = w->scores + t0 * 16 * KEYS + g;
-            _tile_stored(0, scores, KEYS * 4);
-            if (tn > 1) _tile_stored(1, scores + 16 * KEYS, KEYS * 4);
-            if (tn > 2) _tile_stored(2, scores + 32 * KEYS, KEYS * 4);
-            if (tn > 3) _tile_stored(3, scores + 48 * KEYS, KEYS * 4);
-        }
-    }
-}
-
-/* The block's unnormalised output, probabilities times values, into w->out. */
-static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
-    (void)count;
-    /* 16 rows by 64 columns at a time in four tiles: probabilities [16 x 32 keys] times values. */
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t c = 0; c < d; c += 64) {
-            const uint16_t *values = w->values + (c / 16) * blocks * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t block = 0; block < blocks; block++) {
-                _tile_loadd(4, w->probabilities + t * 16 * KEYS + block * 32, KEYS * 2);
-                _tile_loadd(5, values + block * 512, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, values + (blocks + block) * 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(5, values + (2 * blocks + block) * 512, 64);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(6, values + (3 * blocks + block) * 512, 64);
-                _tile_dpbf16ps(3, 4, 6);
-            }
-            float *out = w->out + t * 16 * d + c;
-            _tile_stored(0, out, d * 4);
-            _tile_stored(1, out + 16, d * 4);
-            _tile_stored(2, out + 32, d * 4);
-            _tile_stored(3, out + 48, d * 4);
-        }
-    }
-}
+/* Each defines the scratch of a thread, pack (a chunk's keys and values made ready), attend_block, merge_block (a
+   block's output merged into an item's running one), load_held and store_held (an output row the caller holds, as float32 and back), and the AMX tile calls. */
+#if FLOAT32
+#include "cpu_attention_f32.h"
 #else
-typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
-
-/* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
-   a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
-static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
-                                                             int64_t d) {
-    __m512 acc[8][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
-    const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
-    for (int64_t pair = 0; pair < d / 2; pair++) {
-        const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
-        const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
-        for (int r = 0; r < rows; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, k0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g, acc[r][0]);
-        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g + 16, acc[r][1]);
-    }
-}
-
-static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
-    (void)tiles;
-    for (int64_t g = 0; g < padded; g += 32) {  /* padded: a multiple of 32 */
-        int64_t r = 0;
-        for (; r + 8 <= count; r += 8) score_rows(w, g, r, 8, d);
-        if (count - r >= 4) {
-            score_rows(w, g, r, 4, d);
-            r += 4;
-        }
-        if (count - r >= 2) {
-            score_rows(w, g, r, 2, d);
-            r += 2;
-        }
-        if (count - r >= 1) score_rows(w, g, r, 1, d);
-    }
-}
-
-/* Output columns [c, c + 64) of `rows` rows from r0: each vector of a key pair's 16 values loaded once for the rows,
-   each row's pair of probabilities broadcast to it. */
-static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_t r0, const int rows, int64_t c,
-                                                              int64_t blocks, int64_t d) {
-    __m512 acc[4][4];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    const uint16_t *values = w->values + (c / 16) * blocks * 512;
-    const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
-    for (int64_t pair = 0; pair < blocks * 16; pair++) {
-        __m512bh v[4];
-        for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);
-        for (int r = 0; r < rows; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * KEYS / 2 + pair]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
-}
-
-static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
-    (void)tiles;
-    for (int64_t c = 0; c < d; c += 64) {
-        int64_t r = 0;
-        for (; r + 4 <= count; r += 4) output_rows(w, r, 4, c, blocks, d);
-        if (count - r >= 2) {
-            output_rows(w, r, 2, c, blocks, d);
-            r += 2;
-        }
-        if (count - r >= 1) output_rows(w, r, 1, c, blocks, d);
-    }
-}
+#include "cpu_attention_bf16.h"
 #endif
 
-/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
-   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
-static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
-                         float scale, scratch *w) {
-    const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t r = r0 + i;
-        memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
-    }
-    memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
-    scores(w, count, tiles, padded, d);
-    /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Rows past `count` are
-       left as they are: their output rows are never read. Exponentials in base 2, the scale folded in. */
-    const float log2_scale = scale * 1.44269504088896341f;
-    for (int64_t r = 0; r < count; r++) {
-        const float *row = w->scores + r * KEYS;
-        uint16_t *probabilities = w->probabilities + r * KEYS;
-        int64_t visible = n;  /* the keys this row sees in the chunk */
-        if (x->causal_from >= 0) {
-            const int64_t last = x->causal_from + (r0 + r) % x->count - t0;  /* its last key, from the chunk's first */
-            visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
-        }
-        if (visible == 0) {
-            memset(probabilities, 0, sizeof(uint16_t) * padded);
-            w->max[r] = -INFINITY;
-            w->sum[r] = 0.0f;
-            continue;
-        }
-        const int64_t whole = visible / 16 * 16;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < whole; i += 16) top = _mm512_max_ps(top, _mm512_load_ps(row + i));
-        const __mmask16 tail = (__mmask16)((1u << (visible - whole)) - 1);
-        if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_load_ps(row + whole));
-        const float most = _mm512_reduce_max_ps(top);
-        const __m512 factor = _mm512_set1_ps(log2_scale), shift = _mm512_set1_ps(-most * log2_scale);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t i = 0; i < padded; i += 32) {
-            __m512 e[2];
-            for (int j = 0; j < 2; j++) {
-                const int64_t at = i + 16 * j;
-                if (at + 16 <= visible) e[j] = exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift));
-                else if (at < visible)
-                    e[j] = _mm512_maskz_mov_ps(tail, exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift)));
-                else e[j] = _mm512_setzero_ps();
-            }
-            total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
-            _mm512_store_si512(probabilities + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-        }
-        w->max[r] = most * scale;
-        w->sum[r] = _mm512_reduce_add_ps(total);
-    }
-    outputs(w, count, tiles, blocks, d);
-}
-
-/* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats, then `max` and `sum`
-   `rows` floats apart), the first block of a row copying it. The weights of 16 rows at a time. */
-static void merge_block(const scratch *w, int64_t count, int64_t d, int first, float *acc, float *max, float *sum) {
-    if (first) {
-        memcpy(acc, w->out, sizeof(float) * count * d);
-        memcpy(max, w->max, sizeof(float) * count);
-        memcpy(sum, w->sum, sizeof(float) * count);
-        return;
-    }
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), floor = _mm512_set1_ps(-200.0f);
-    for (int64_t r0 = 0; r0 < count; r0 += 16) {
-        const __mmask16 rows = count - r0 >= 16 ? 0xffff : (__mmask16)((1u << (count - r0)) - 1);
-        const __m512 held = _mm512_maskz_loadu_ps(rows, max + r0), block = _mm512_maskz_loadu_ps(rows, w->max + r0);
-        const __m512 most = _mm512_max_ps(held, block);
-        /* A row that has seen no key yet (max -infinity) keeps nothing of what it holds, and gives nothing. */
-        const __mmask16 seen = _mm512_mask_cmp_ps_mask(rows, most, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 old = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(held, most), log2e), floor)));
-        const __m512 new = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(block, most), log2e), floor)));
-        const __m512 total = _mm512_fmadd_ps(old, _mm512_maskz_loadu_ps(rows, sum + r0),
-                                             _mm512_mul_ps(new, _mm512_maskz_loadu_ps(rows, w->sum + r0)));
-        _mm512_mask_storeu_ps(max + r0, rows, most);
-        _mm512_mask_storeu_ps(sum + r0, rows, total);
-        float olds[16] __attribute__((aligned(64))), news[16] __attribute__((aligned(64)));
-        _mm512_store_ps(olds, old);
-        _mm512_store_ps(news, new);
-        const int64_t n = count - r0 < 16 ? count - r0 : 16;
-        for (int64_t i = 0; i < n; i++) {
-            float *row = acc + (r0 + i) * d;
-            const float *part = w->out + (r0 + i) * d;
-            const __m512 a = _mm512_set1_ps(olds[i]), b = _mm512_set1_ps(news[i]);
-            for (int64_t x = 0; x < d; x += 16)
-                _mm512_storeu_ps(row + x, _mm512_fmadd_ps(a, _mm512_loadu_ps(row + x), _mm512_mul_ps(b, _mm512_loadu_ps(part + x))));
-        }
-    }
+/* Keep a block's output as an item's running one: the first block of its rows (see merge_block). */
+static void keep_block(const scratch *w, int64_t count, int64_t d, float *acc, float *max, float *sum) {
+    memcpy(acc, w->out, sizeof(float) * count * d);
+    memcpy(max, w->max, sizeof(float) * count);
+    memcpy(sum, w->sum, sizeof(float) * count);
 }
 
 static __thread scratch *thread_scratch;  /* each thread's, kept for its next call */
@@ -407,18 +81,18 @@ typedef struct {  /* where a part's work and results are */
 
 /* Attend the parts' query rows to their keys and values and merge that, by log-sum-exp, into the attention over other
    keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and out are
-   bfloat16 rows of d contiguous elements, lse float32, each placed by its strides (in elements); keys and values
-   bfloat16, rows of d contiguous. A held lse of -infinity holds nothing: out is then only written. With new_k and
+   rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements); keys and values
+   rows of d contiguous elements. A held lse of -infinity holds nothing: out is then only written. With new_k and
    new_v (the step's new keys and values, placed by their strides, rows as the queries'), a causal part first has its
    rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
    region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when
    memory ran out (nothing attended then). */
-int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, uint16_t *out, int64_t out_head,
-                            int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const uint16_t *new_k,
-                            int64_t new_k_head, int64_t new_k_row, const uint16_t *new_v, int64_t new_v_head,
+int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *out, int64_t out_head,
+                            int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const elem *new_k,
+                            int64_t new_k_head, int64_t new_k_row, const elem *new_v, int64_t new_v_head,
                             int64_t new_v_row, int64_t kv_heads, int64_t groups, int64_t d, float scale,
                             int64_t count, const int64_t *plans) {
-    if (d % 64 || d > MAX_DIM || groups < 1 || kv_heads < 1 || count < 1) return -1;
+    if (d % DIM_MULTIPLE || d > MAX_DIM || groups < 1 || kv_heads < 1 || count < 1) return -1;
     const part_plan *plan = (const part_plan *)plans;
     part_place *place = malloc(sizeof(part_place) * count);
     if (!place) return -2;
@@ -462,11 +136,11 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
                 const part_plan *pp = plan + ph / kv_heads;
                 const int64_t h = ph % kv_heads;
                 if (pp->causal_from < 0) continue;
-                uint16_t *k = (uint16_t *)(intptr_t)pp->k + h * pp->stride + pp->causal_from * d;
-                uint16_t *v = (uint16_t *)(intptr_t)pp->v + h * pp->stride + pp->causal_from * d;
+                elem *k = (elem *)(intptr_t)pp->k + h * pp->stride + pp->causal_from * d;
+                elem *v = (elem *)(intptr_t)pp->v + h * pp->stride + pp->causal_from * d;
                 for (int64_t i = 0; i < pp->count; i++) {
-                    memcpy(k + i * d, new_k + h * new_k_head + (pp->first + i) * new_k_row, sizeof(uint16_t) * d);
-                    memcpy(v + i * d, new_v + h * new_v_head + (pp->first + i) * new_v_row, sizeof(uint16_t) * d);
+                    memcpy(k + i * d, new_k + h * new_k_head + (pp->first + i) * new_k_row, sizeof(elem) * d);
+                    memcpy(v + i * d, new_v + h * new_v_head + (pp->first + i) * new_v_row, sizeof(elem) * d);
                 }
             }  /* a barrier: every part's keys are written before any is read */
         }
@@ -482,15 +156,15 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
             const int64_t rows = groups * pp->count, stride = rows * (d + 2);
             const int64_t h = (item - at->first_item) / at->splits, split = (item - at->first_item) % at->splits;
             const int64_t first = at->chunks * split / at->splits, last = at->chunks * (split + 1) / at->splits;
-            const uint16_t *k = (const uint16_t *)(intptr_t)pp->k + h * pp->stride;
-            const uint16_t *v = (const uint16_t *)(intptr_t)pp->v + h * pp->stride;
+            const elem *k = (const elem *)(intptr_t)pp->k + h * pp->stride;
+            const elem *v = (const elem *)(intptr_t)pp->v + h * pp->stride;
             float *acc = parts + at->parts_at + (item - at->first_item) * stride, *max = acc + rows * d, *sum = max + rows;
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
                 pack(k + t0 * d, v + t0 * d, n, d, w);
                 if (c + 1 < last) {  /* the next chunk's keys and values on their way to the cache meanwhile */
                     const int64_t next = pp->tokens - t0 - KEYS < KEYS ? pp->tokens - t0 - KEYS : KEYS;
-                    for (int64_t b = 0; b < next * d * 2; b += 64) {
+                    for (int64_t b = 0; b < next * d * (int64_t)sizeof(elem); b += 64) {
                         _mm_prefetch((const char *)(k + (t0 + KEYS) * d) + b, _MM_HINT_T1);
                         _mm_prefetch((const char *)(v + (t0 + KEYS) * d) + b, _MM_HINT_T1);
                     }
@@ -498,7 +172,8 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
                     attend_block(&x, h, r0, block, t0, n, d, scale, w);
-                    merge_block(w, block, d, c == first, acc + r0 * d, max + r0, sum + r0);
+                    if (c == first) keep_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
+                    else merge_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
                 }
             }
         }
@@ -518,31 +193,26 @@ int prefixgate_attend_parts(const uint16_t *q, int64_t q_head, int64_t q_row, ui
                 const float *base = parts + at->parts_at + h * splits * stride;
                 /* The caller's attention over its other keys is one more part, already normalised. */
                 float *held_lse = x.lse + head * lse_head + position * lse_row;
-                uint16_t *held = x.out + head * out_head + position * out_row;
+                elem *held = x.out + head * out_head + position * out_row;
                 float most = *held_lse;
                 for (int64_t s = 0; s < splits; s++) most = fmaxf(most, base[s * stride + rows * d + r]);
                 /* held -infinity: nothing held, and `held` is not read (it may be uninitialised memory) */
                 const float own = *held_lse == -INFINITY ? 0.0f : expf(*held_lse - most);
                 float total = own;
                 float merged[MAX_DIM] __attribute__((aligned(64)));
-                for (int64_t c = 0; c < d; c += 16) {
-                    const __m512 o = own == 0.0f ? _mm512_setzero_ps() : _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(held + c))), 16));
-                    _mm512_store_ps(merged + c, _mm512_mul_ps(o, _mm512_set1_ps(own)));
+                if (own == 0.0f) memset(merged, 0, sizeof(float) * d);
+                else {
+                    load_held(held, merged, d);
+                    for (int64_t c = 0; c < d; c++) merged[c] *= own;
                 }
                 for (int64_t s = 0; s < splits; s++) {
                     const float *part = base + s * stride;
                     /* the part's output is unnormalised: weighted by e^(max - most), it counts as its sum says */
                     const float weight = expf(part[rows * d + r] - most);
                     total += weight * part[rows * d + rows + r];
-                    const __m512 wv = _mm512_set1_ps(weight);
-                    for (int64_t c = 0; c < d; c += 16)
-                        _mm512_store_ps(merged + c, _mm512_fmadd_ps(wv, _mm512_loadu_ps(part + r * d + c), _mm512_load_ps(merged + c)));
+                    for (int64_t c = 0; c < d; c++) merged[c] += weight * part[r * d + c];
                 }
-                const __m512 inverse = _mm512_set1_ps(1.0f / total);
-                for (int64_t c = 0; c < d; c += 16)
-                    _mm256_storeu_si256((__m256i *)(held + c),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(merged + c), inverse)));
+                store_held(merged, 1.0f / total, held, d);
                 *held_lse = most + logf(total);
             }
         }

@@ -1,22 +1,22 @@
-"""A packed step's attention on x86 CPUs with AVX-512 BF16: a small C kernel, built with the machine's C compiler on
-first use.
+"""A packed step's attention on x86 CPUs: a small C kernel, built with the machine's C compiler on first use, for
+bfloat16 on CPUs with AVX-512 BF16 and for float32 on CPUs with AVX2 and FMA.
 
 Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
 stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
 each block of queries and reads the prefix at a fraction of the memory's speed there. This kernel packs each run of
-256 keys once a call and attends every query row to it in bfloat16 products summed in float32 (on AMX tiles where the
-CPU has AMX, in AVX-512 BF16 dot products elsewhere), so the call costs little more than reading the prefix. It merges
-its result into the attention the step holds for those rows, in place, so a step (`attention._attend_with_kernel`)
-makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
-mask built), then one per shared prefix, into one output, where it is returned. Measured on 2 cores, SmolLM2's 30
-layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8 decoding
-streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 7.0 against 22.9 and 11.1 against
-39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
+256 keys once a call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the
+CPU has AMX, in AVX-512 BF16 dot products elsewhere), or in float32 FMA products (`cpu_attention_f32.h`), so the call
+costs little more than reading the prefix. It merges its result into the attention the step holds for those rows, in
+place, so a step (`attention._attend_with_kernel`) makes one call per layer for every request's own positions (writing
+their new keys and values first; causal, with no mask built), then one per shared prefix, into one output, where it is
+returned. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix, against the flash kernel: with AMX (a
+Xeon), 11.0 ms for 24 query rows (8 decoding streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16
+(an EPYC), 7.0 against 22.9 and 11.1 against 39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
 
-It takes bfloat16 with a head dimension that is a multiple of 64 (at most 256), on Linux x86 CPUs with AVX-512 BF16,
-for models without sliding windows or soft-capping. It is built once per source and CPU kind into
-`~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that is missing, `applies` says no and the step
-attends with torch's kernels, as before.
+It takes bfloat16 with a head dimension that is a multiple of 64 and float32 with one that is a multiple of 16 (at most
+256), on Linux x86 CPUs with the features of its build, for models without sliding windows or soft-capping. Each build
+is made once per source and CPU kind into `~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that is
+missing, `applies` says no and the step attends with torch's kernels, as before.
 """
 
 from __future__ import annotations
@@ -38,10 +38,15 @@ import torch
 _log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_attention_bf16.h"), _SOURCE.with_name("cpu_attention_f32.h"))
+_COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512bf16")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 _AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # added where the CPU has AMX: its products then run on the tiles
 _AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+_F32_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-DFLOAT32")
+_F32_CPU_FLAGS = ("avx2", "fma")
+_DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # as in cpu_attention.c
 
 
 def kernel_dir() -> Path:
@@ -49,10 +54,10 @@ def kernel_dir() -> Path:
     return Path.home() / ".cache" / "prefixgate" / "kernels"
 
 
-def prepare() -> bool:
-    """Build and load the kernel now rather than in the first step that needs it (about a second, once per source);
-    say whether it runs here."""
-    return _library() is not None
+def prepare(dtype: torch.dtype) -> bool:
+    """Build and load the kernel for `dtype` now rather than in the first step that needs it (about a second, once per
+    source); say whether it runs here."""
+    return dtype in _DIM_MULTIPLE and _library(dtype) is not None
 
 
 def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -61,12 +66,13 @@ def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
     head_dim = queries.shape[-1]
     return (
         queries.device.type == "cpu"
-        and queries.dtype == kv.dtype == torch.bfloat16
-        and head_dim % 64 == 0
+        and queries.dtype == kv.dtype
+        and queries.dtype in _DIM_MULTIPLE
+        and head_dim % _DIM_MULTIPLE[queries.dtype] == 0
         and head_dim <= 256
         and kv.shape[2] > 0
         and kv.stride()[2:] == (head_dim, 1)
-        and _library() is not None
+        and _library(queries.dtype) is not None
     )
 
 
@@ -114,22 +120,23 @@ def attend_parts(
     kv_heads, rows, d]`), a causal part's rows of them are first written into its KV at positions `[causal_from,
     causal_from + length)`. One call for a step's requests, each over its own positions: the threads start once and
     share out the work of every request, with no tensor made per request."""
-    library = _library()
+    dtype, size = queries.dtype, queries.element_size()
+    library = _library(dtype)
     assert library is not None, "attend_parts where applies() said no"
     _, heads, _, head_dim = queries.shape
     kv_heads = parts[0].kv.shape[2]
-    assert queries.stride(3) == out.stride(3) == 1 and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert queries.stride(3) == out.stride(3) == 1 and out.dtype == dtype and lse.dtype == torch.float32
     plans: list[int] = []
     for first, length, kv, layer, tokens, causal_from in parts:
         layer_stride, values, head, row, column = kv.stride()
-        assert kv.dtype == torch.bfloat16 and kv.shape[2] == kv_heads and (row, column) == (head_dim, 1)
+        assert kv.dtype == dtype and kv.shape[2] == kv_heads and (row, column) == (head_dim, 1)
         assert tokens <= kv.shape[3], "a part attends positions its KV does not hold"
-        keys = kv.data_ptr() + layer * layer_stride * 2  # bytes: two a bfloat16
-        plans += (first, length, keys, keys + values * 2, head, tokens, -1 if causal_from is None else causal_from)
+        keys = kv.data_ptr() + layer * layer_stride * size  # in bytes
+        plans += (first, length, keys, keys + values * size, head, tokens, -1 if causal_from is None else causal_from)
     new_k = new_v = None
     if new is not None:
         new_k, new_v = (x if x.stride(3) == 1 else x.contiguous() for x in new)
-        assert new_k.dtype == new_v.dtype == torch.bfloat16
+        assert new_k.dtype == new_v.dtype == dtype
     failed = library.prefixgate_attend_parts(
         queries.data_ptr(),
         queries.stride(1),
@@ -161,22 +168,27 @@ def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """Build (once per source) and load the kernel; None, said once in the log, where it cannot run."""
-    why = _unavailable()
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """Build (once per source) and load the kernel for `dtype`; None, said once in the log, where it cannot run."""
+    why = _unavailable(dtype)
     if why is None:
         # Where the CPU has AMX its build comes first; where that one fails (an older compiler, a Linux that does not
         # grant the tiles), the AVX-512 BF16 build.
         failures: list[str] = []
-        for flags in reversed(_builds()):
+        for flags in reversed(_builds(dtype)):
             name = build_name(flags)
             loaded = _load(flags)
             if not isinstance(loaded, str):
-                _log.info("packed steps attend with the C kernel (%s)%s", name, "".join(f"; {f}" for f in failures))
+                _log.info(
+                    "packed steps in %s attend with the C kernel (%s)%s",
+                    _name(dtype),
+                    name,
+                    "".join(f"; {f}" for f in failures),
+                )
                 return loaded
             failures.append(f"{loaded} ({name})")
         why = "; ".join(failures)
-    _log.info("packed steps attend with torch's kernels: the C kernel %s", why)
+    _log.info("packed steps in %s attend with torch's kernels: the C kernel %s", _name(dtype), why)
     return None
 
 
@@ -196,13 +208,15 @@ def _load(flags: tuple[str, ...]) -> ctypes.CDLL | str:
     return library
 
 
-def _unavailable() -> str | None:
+def _unavailable(dtype: torch.dtype) -> str | None:
+    if dtype not in _DIM_MULTIPLE:
+        return f"takes bfloat16 and float32, not {_name(dtype)}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"runs on Linux x86 only (this is {platform.system()} {platform.machine()})"
     flags = _cpu_flags()
     if flags is None:
         return "could not read the CPU's features from /proc/cpuinfo"
-    missing = [flag for flag in _CPU_FLAGS if flag not in flags]
+    missing = [flag for flag in (_CPU_FLAGS if dtype == torch.bfloat16 else _F32_CPU_FLAGS) if flag not in flags]
     if missing:
         return f"needs CPU features this CPU lacks: {', '.join(missing)}"
     if _compiler() is None:
@@ -222,16 +236,24 @@ def _cpu_flags() -> frozenset[str] | None:
         return None
 
 
-def _builds() -> list[tuple[str, ...]]:
-    """The compiler's flags of each build this CPU runs, the one used last: AVX-512 BF16 products, and where the CPU
-    has AMX, AMX tiles."""
+def _builds(dtype: torch.dtype) -> list[tuple[str, ...]]:
+    """The compiler's flags of each build this CPU runs for `dtype`, the one used last: for bfloat16, AVX-512 BF16
+    products, and where the CPU has AMX, AMX tiles; for float32, AVX2 and FMA."""
+    if dtype == torch.float32:
+        return [_F32_FLAGS]
     has_amx = all(flag in (_cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
     return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
 
 
 def build_name(flags: tuple[str, ...]) -> str:
-    """Say what a build's products run on: "AMX" or "AVX-512 BF16"."""
+    """Say what a build's products run on: "AMX", "AVX-512 BF16" or "AVX2 float32"."""
+    if "-DFLOAT32" in flags:
+        return "AVX2 float32"
     return "AMX" if _AMX_FLAGS[0] in flags else "AVX-512 BF16"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _compiler() -> str | None:
@@ -243,7 +265,7 @@ def _built(flags: tuple[str, ...]) -> Path:
     already."""
     compiler = _compiler()
     assert compiler is not None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     target = kernel_dir() / f"cpu_attention-{digest}.so"
     if not target.exists():

@@ -127,8 +127,8 @@ class HFBackend:
         self._buffers: KVBuffers | None = None
         if self.prefix_reuse:
             self._buffers = KVBuffers(self.geometry, self.device, keep_bytes=kv_buffer_budget)
-            if self.device.type == "cpu" and model.dtype == torch.bfloat16:
-                cpu_attention.prepare()  # built now (once per source), so that no step waits for it
+            if self.device.type == "cpu":
+                cpu_attention.prepare(model.dtype)  # built now (once per source), so that no step waits for it
         self.fingerprint = model_fingerprint(model)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         budget = kv_memory_budget if kv_memory_budget is not None else default_kv_memory_budget(self.device)

@@ -1,11 +1,12 @@
 """A step's attention over a prefix, alone: the C kernel against torch's CPU flash kernel, SmolLM2's shapes.
 
-Run by hand: `.venv/bin/python benchmarks/attention_bench.py` (about ten seconds). Random bfloat16 queries of 9 heads
-attend over a prefix of 3 KV heads (head size 64) in each of 30 layers, as a step of SmolLM2 does over a shared
-prefix: N decoding streams are N queries per head, 16 prompts of 27 tokens are 432. Prints the median time of the 30
-layers for the kernel (`backends/cpu_attention.c`, its output merged into what the step holds, as a step calls it)
-and for torch's flash kernel (the prefix in halves, as `attention._attend_prefix` calls it, before the merge).
-Where the kernel does not run (no AVX-512 BF16, no compiler) only torch's column is filled.
+Run by hand: `.venv/bin/python benchmarks/attention_bench.py` (about half a minute). Random queries of 9 heads attend
+over a prefix of 3 KV heads (head size 64) in each of 30 layers, as a step of SmolLM2 does over a shared prefix: N
+decoding streams are N queries per head, 16 prompts of 27 tokens are 432. In bfloat16 and in float32, it prints the
+median time of the 30 layers for the kernel (`backends/cpu_attention.c`, its output merged into what the step holds,
+as a step calls it) and for torch's flash kernel (the prefix in halves, as `attention._attend_prefix` calls it, before
+the merge). Where the kernel does not run in a dtype (bfloat16 needs AVX-512 BF16, float32 AVX2; both a compiler),
+only torch's column is filled.
 """
 
 from __future__ import annotations
@@ -56,17 +57,23 @@ def torch_layers(queries: torch.Tensor, kv: torch.Tensor) -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    kernel = cpu_attention.prepare()
-    print(f"{torch.get_num_threads()} threads; the C kernel {'runs' if kernel else 'does not run'} here\n")
+    print(f"{torch.get_num_threads()} threads\n")
     rows = []
-    for name, queries_per_head, tokens in CASES:
-        kv = torch.randn(LAYERS, 2, KV_HEADS, tokens, HEAD_DIM).bfloat16()
-        queries = torch.randn(1, HEADS, queries_per_head, HEAD_DIM).bfloat16()
-        repeats = 3 if queries_per_head > 100 else 9
-        theirs = median_ms(functools.partial(torch_layers, queries, kv), repeats)
-        mine = median_ms(functools.partial(kernel_layers, queries, kv), repeats) if kernel else float("nan")
-        rows.append([name, str(tokens), f"{mine:.1f} ms", f"{theirs:.1f} ms", f"{theirs / mine:.1f}x"])
-    table(["queries", "prefix", "C kernel", "torch's flash kernel", "speed-up"], rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        kernel = cpu_attention.prepare(dtype)
+        for name, queries_per_head, tokens in CASES:
+            kv = torch.randn(LAYERS, 2, KV_HEADS, tokens, HEAD_DIM).to(dtype)
+            queries = torch.randn(1, HEADS, queries_per_head, HEAD_DIM).to(dtype)
+            repeats = 3 if queries_per_head > 100 else 9
+            theirs = median_ms(functools.partial(torch_layers, queries, kv), repeats)
+            times = [f"{theirs:.1f} ms"]
+            if kernel:
+                mine = median_ms(functools.partial(kernel_layers, queries, kv), repeats)
+                times = [f"{mine:.1f} ms", *times, f"{theirs / mine:.1f}x"]
+            else:
+                times = ["-", *times, "-"]
+            rows.append([str(dtype).removeprefix("torch."), name, str(tokens), *times])
+    table(["dtype", "queries", "prefix", "C kernel", "torch's flash kernel", "speed-up"], rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The C attention kernel (AVX-512 BF16 or AMX): built by the machine's compiler, exact to float32 scores, optional."""
+"""The C attention kernel (bfloat16 on AVX-512 BF16 or AMX, float32 on AVX2): built by the machine's compiler, exact
+to float32 scores, optional."""
 
 from __future__ import annotations
 
@@ -19,9 +20,19 @@ from tests.backends.test_kv_reuse import make_prompt
 from tests.backends.test_shared_prefix import prefix_blocks, run_shared, shared_backend
 from tests.backends.tiny_models import make_llama
 
-needs_kernel = pytest.mark.skipif(
-    cpu_attention._library() is None, reason="the C kernel does not run here (see the log for why)"
+# The dtypes the kernel runs in on this machine: where it runs in none, the tests parametrized by them are skipped.
+KERNEL_DTYPES = [dtype for dtype in (torch.bfloat16, torch.float32) if cpu_attention._library(dtype) is not None]
+needs_bfloat16_kernel = pytest.mark.skipif(
+    torch.bfloat16 not in KERNEL_DTYPES, reason="the bfloat16 kernel does not run here (see the log for why)"
 )
+DTYPE_NAME = cpu_attention._name
+BUILDS = [(dtype, build) for dtype in KERNEL_DTYPES for build in cpu_attention._builds(dtype)]
+
+
+def close(dtype: torch.dtype) -> dict[str, float]:
+    """Return the tolerance of the kernel's outputs against float64 attention: bfloat16's rounding of the
+    probabilities and the output, or float32's."""
+    return {"atol": 2e-2, "rtol": 2**-7} if dtype == torch.bfloat16 else {"atol": 2e-5, "rtol": 1e-5}
 
 
 def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[Any, Any]:
@@ -33,7 +44,6 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return torch.softmax(scores, dim=-1) @ values.unsqueeze(0), torch.logsumexp(scores, dim=-1)
 
 
-@needs_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "count", "tokens", "head_dim"),
     [
@@ -44,64 +54,69 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         (4, 2, 7, 77, 128),  # a wider head
     ],
 )
-@pytest.mark.parametrize("build", cpu_attention._builds(), ids=cpu_attention.build_name)
+@pytest.mark.parametrize(("dtype", "build"), BUILDS, ids=[cpu_attention.build_name(build) for _, build in BUILDS])
 def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
     heads: int,
     kv_heads: int,
     count: int,
     tokens: int,
     head_dim: int,
+    dtype: torch.dtype,
     build: tuple[str, ...],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there).
+    # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there); AVX2 for
+    # float32.
     library = cpu_attention._load(build)
     assert not isinstance(library, str), library
-    monkeypatch.setattr(cpu_attention, "_library", lambda: library)
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: library)
     torch.manual_seed(0)
     scale = head_dim**-0.5
-    queries = torch.randn(1, heads, count, head_dim).bfloat16()
-    kv = (torch.randn(2, kv_heads, tokens + 40, head_dim) * 2).bfloat16()  # wide scores: softmax far from uniform
+    queries = torch.randn(1, heads, count, head_dim).to(dtype)
+    kv = (torch.randn(2, kv_heads, tokens + 40, head_dim) * 2).to(dtype)  # wide scores: softmax far from uniform
     prefix, own = kv[:, :, :tokens], kv[:, :, tokens:]  # the shared keys, and the request's own 40
     held, held_lse = reference(queries, own[0], own[1], scale)  # what the step holds before the kernel runs
-    out, lse = held.bfloat16(), held_lse.float()
+    out, lse = held.to(dtype), held_lse.float()
     expected, expected_lse = reference(queries, kv[0], kv[1], scale)  # over both at once
     assert cpu_attention.applies(queries, prefix)
     cpu_attention.attend_into(queries, prefix, scale, out, lse)
-    # Scores are exact products summed in float32; the error is bfloat16's, in the probabilities and the output.
+    # Scores are exact products summed in float32; in bfloat16 the error is its rounding of the probabilities and
+    # the output.
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+    torch.testing.assert_close(out.double(), expected, **close(dtype))
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
 @pytest.mark.parametrize(("history", "count"), [(0, 1), (0, 27), (38, 27), (700, 300), (5, 1)])
-def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(history: int, count: int) -> None:
+def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(
+    history: int, count: int, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
-    queries = torch.randn(1, 9, count, 64).bfloat16()
-    kv = (torch.randn(2, 3, history + count, 64) * 2).bfloat16()
+    queries = torch.randn(1, 9, count, 64).to(dtype)
+    kv = (torch.randn(2, 3, history + count, 64) * 2).to(dtype)
     # Nothing held: minus infinity, and an output never initialised, which must not be read.
-    out, lse = torch.full((1, 9, count, 64), float("nan")).bfloat16(), torch.full((1, 9, count), float("-inf"))
+    out, lse = torch.full((1, 9, count, 64), float("nan")).to(dtype), torch.full((1, 9, count), float("-inf"))
     cpu_attention.attend_into(queries, kv, 0.125, out, lse, causal_from=history)
     mask = attention_module._mask(history, count, 0, history + count, None, queries.device)
     expected, expected_lse = attention_module._attend_exactly(queries.float(), kv[0:1], kv[1:2], mask, 0.125)
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-7)
+    torch.testing.assert_close(out.float(), expected, **close(dtype))
 
 
-@needs_kernel
-def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only() -> None:
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only(dtype: torch.dtype) -> None:
     # A step's requests as parts of one call: decode rows and prompt chunks, each over its own buffer (buffers of
     # different capacities, layer 1 of 2), short ones and one long enough to be split in 8 runs of keys (past 8 x 256
     # positions). The step's new keys and values come position-major, as the model's projections give them.
     torch.manual_seed(0)
     shapes = [(40, 1), (0, 27), (2300, 1), (3, 64), (700, 130), (1, 1)]  # (positions before, new tokens)
     total = sum(count for _, count in shapes)
-    queries = torch.randn(1, 9, total, 64).bfloat16()
-    new_keys, new_values = ((torch.randn(1, total, 3, 64) * 2).bfloat16().transpose(1, 2) for _ in range(2))
-    out, lse = torch.full((1, 9, total, 64), float("nan")).bfloat16(), torch.full((1, 9, total), float("-inf"))
+    queries = torch.randn(1, 9, total, 64).to(dtype)
+    new_keys, new_values = ((torch.randn(1, total, 3, 64) * 2).to(dtype).transpose(1, 2) for _ in range(2))
+    out, lse = torch.full((1, 9, total, 64), float("nan")).to(dtype), torch.full((1, 9, total), float("-inf"))
     parts, first = [], 0
     for history, count in shapes:
-        buffer = (torch.randn(2, 2, 3, history + count + 17, 64) * 2).bfloat16()  # room past the positions filled
+        buffer = (torch.randn(2, 2, 3, history + count + 17, 64) * 2).to(dtype)  # room past the positions filled
         parts.append(cpu_attention.Part(first, count, buffer, 1, history + count, history))
         first += count
     untouched = [part.kv.clone() for part in parts]
@@ -118,48 +133,51 @@ def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only
             queries[:, :, rows].float(), kv[0:1], kv[1:2], mask, 0.125
         )
         torch.testing.assert_close(lse[:, :, rows], expected_lse, atol=1e-5, rtol=0)
-        torch.testing.assert_close(out[:, :, rows].float(), expected, atol=2e-2, rtol=2**-7)
+        torch.testing.assert_close(out[:, :, rows].float(), expected, **close(dtype))
 
 
-@needs_kernel
-def test_queries_and_outputs_are_read_and_written_where_their_strides_say() -> None:
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_queries_and_outputs_are_read_and_written_where_their_strides_say(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    kv = torch.randn(2, 3, 2048, 64).bfloat16()
-    queries = torch.randn(1, 12, 9, 64).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)[:, :, 1:8]
-    out = torch.zeros(1, 7, 12, 64).bfloat16().transpose(1, 2)  # [1, heads, count, d] stored position-major
+    kv = torch.randn(2, 3, 2048, 64).to(dtype)
+    queries = torch.randn(1, 12, 9, 64).to(dtype).transpose(1, 2).contiguous().transpose(1, 2)[:, :, 1:8]
+    out = torch.zeros(1, 7, 12, 64).to(dtype).transpose(1, 2)  # [1, heads, count, d] stored position-major
     lse = torch.full((1, 12, 20), float("-inf"))[:, :, ::3][:, :, :7]  # every third: nothing held there yet
     untouched = lse.clone()
     cpu_attention.attend_into(queries, kv, 0.125, out, lse)
     expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+    torch.testing.assert_close(out.double(), expected, **close(dtype))
     assert not torch.equal(lse, untouched)
 
 
-@needs_kernel
-def test_a_shared_prefix_in_bfloat16_is_attended_by_the_kernel_as_by_torchs() -> None:
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_a_shared_prefix_is_attended_by_the_kernel_as_by_torchs(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    prefix = torch.randn(1, 2, 3, 2048, 64).bfloat16()  # [layers, 2, kv_heads, positions, head_dim]
-    query = torch.randn(1, 9, 6, 64).bfloat16()
-    out, lse = torch.randn(1, 9, 6, 64).bfloat16(), torch.randn(1, 9, 6)  # the rows' own attention
+    prefix = torch.randn(1, 2, 3, 2048, 64).to(dtype)  # [layers, 2, kv_heads, positions, head_dim]
+    query = torch.randn(1, 9, 6, 64).to(dtype)
+    out, lse = torch.randn(1, 9, 6, 64).to(dtype), torch.randn(1, 9, 6)  # the rows' own attention
     for rows in (slice(1, 4), torch.tensor([0, 2, 5])):  # readers side by side, and not
         readers = (attention_module.SharedReaders((prefix,), rows),)
         merged, merged_lse = out.clone(), lse.clone()
         attention_module._add_shared_with_kernel(query, merged, merged_lse, readers, 0, 0.125)
         flash = attention_module._add_shared(query, out.clone(), lse.clone(), readers, 0, 0.125)
-        torch.testing.assert_close(merged, flash, atol=2e-2, rtol=2**-7)
+        torch.testing.assert_close(merged, flash, **close(dtype))
         others = [i for i in range(6) if i not in torch.arange(6)[rows].tolist()]
         assert torch.equal(merged[:, :, others], out[:, :, others])  # rows that do not read it are left alone
 
 
-@needs_kernel
-async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give_alone(
-    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+async def test_requests_on_a_shared_prefix_give_the_tokens_they_give_alone(
+    dtype: torch.dtype,
+    make_backend: BackendFactory,
+    tokenizer: PreTrainedTokenizerFast,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Heads of 64, the kernel's. In bfloat16 every path rounds in its own places, so greedy tokens agree only away
-    # from near-ties: seed 0 has one at the sixth token (float32 logits 6.52 against 6.29, bfloat16 ones within a
-    # unit of 0.03) that the one buffer and the kernel resolve differently; seed 1 has none.
-    model = make_llama(tokenizer, head_dim=64, seed=1).to(torch.bfloat16)
+    # Heads of 64, which both builds take. In bfloat16 every path rounds in its own places, so greedy tokens agree
+    # only away from near-ties: seed 0 has one at the sixth token (float32 logits 6.52 against 6.29, bfloat16 ones
+    # within a unit of 0.03) that the one buffer and the kernel resolve differently; seed 1 has none.
+    model = make_llama(tokenizer, head_dim=64, seed=1).to(dtype)
     backend = shared_backend(make_backend, model=model)
     prompt = make_prompt(60)
     alone = (await collect(backend, prompt)).token_ids
@@ -181,24 +199,24 @@ async def test_requests_on_a_shared_prefix_in_bfloat16_give_the_tokens_they_give
     assert shared_keys and set(shared_keys) == {3 * 8} and len(own_calls) == len(shared_keys) // 2
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
 def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and_decode_shared_or_not(
-    tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_llama(tokenizer, head_dim=64).to(torch.bfloat16)
+    model = make_llama(tokenizer, head_dim=64).to(dtype)
     model.set_attn_implementation(attention_module.NAME)
     runner = ModelRunner(model)
     prompt = make_prompt(300)
     shape = (2, 2, 2, 320, 64)  # [layers, 2, kv_heads, positions, head_dim]
-    first = torch.zeros(shape, dtype=torch.bfloat16)
+    first = torch.zeros(shape, dtype=dtype)
     with torch.inference_mode():
         runner.run([StepInput(prompt[:256], first, 0)])
     prefix = first[:, :, :, :256].clone()  # a cached prefix: read in place by one request, copied by the other
     logits = {}
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(cpu_attention, "_library", lambda: None)
-        own, whole = torch.zeros(shape, dtype=torch.bfloat16), first.clone()
+            monkeypatch.setattr(cpu_attention, "_library", lambda dtype: None)
+        own, whole = torch.zeros(shape, dtype=dtype), first.clone()
         with torch.inference_mode():
             # A prompt chunk after the prefix, then a decode step, of each at once.
             chunk = runner.run(
@@ -208,38 +226,45 @@ def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and
                 [StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)]
             )
         logits[kernel] = torch.cat((chunk, decode))
-    # The model runs in bfloat16 and the paths round at different places: a few of its units at the logits' size
-    # (on a shared prefix torch's flash kernel lands 2.5 units from one buffer here, the C kernel 2.25).
+    # In bfloat16 the paths round at different places: a few of its units at the logits' size (on a shared prefix
+    # torch's flash kernel lands 2.5 units from one buffer here, the C kernel 2.25). In float32, as the shared prefix's
+    # tests hold torch's kernels to one buffer.
     unit = 2.0 ** (torch.floor(torch.log2(logits[False].abs().max())) - 7)
-    torch.testing.assert_close(logits[True], logits[False], atol=4 * unit.item(), rtol=0)
+    atol = 4 * unit.item() if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(logits[True], logits[False], atol=atol, rtol=0)
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
 
 
-def test_float32_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
-    assert not cpu_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64))  # float32
+def test_dtypes_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
+    assert not cpu_attention.applies(torch.randn(1, 3, 4, 64).half(), torch.randn(2, 3, 64, 64).half())
     assert not cpu_attention.applies(torch.randn(1, 3, 4, 16).bfloat16(), torch.randn(2, 3, 64, 16).bfloat16())
+    assert not cpu_attention.applies(torch.randn(1, 3, 4, 8), torch.randn(2, 3, 64, 8))
+    assert not cpu_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64).bfloat16())
+    assert not cpu_attention.prepare(torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_NAME)
 def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
-    if cpu_attention._unavailable() not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
-        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention._unavailable()}")
+    if cpu_attention._unavailable(dtype) not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
+        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention._unavailable(dtype)}")
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     monkeypatch.setenv("CC", "false")  # a compiler that fails
+    name = str(dtype).removeprefix("torch.")
     with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
-        assert cpu_attention._library.__wrapped__() is None
-    assert "attend with torch's kernels: the C kernel building it failed" in caplog.text
+        assert cpu_attention._library.__wrapped__(dtype) is None
+    assert f"packed steps in {name} attend with torch's kernels: the C kernel building it failed" in caplog.text
     assert not list(tmp_path.glob("*.so"))
     monkeypatch.delenv("CC")
     monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
-        assert cpu_attention._library.__wrapped__() is None
+        assert cpu_attention._library.__wrapped__(dtype) is None
     assert "needs a C compiler: none found as $CC, cc or gcc" in caplog.text
 
 
-@needs_kernel
+@needs_bfloat16_kernel
 def test_where_the_amx_build_fails_the_avx512_build_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -250,11 +275,11 @@ def test_where_the_amx_build_fails_the_avx512_build_runs(
     )
     monkeypatch.setattr(cpu_attention, "_AMX_FLAGS", ("-mamx-tile", "-mno-such-option"))
     with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
-        library = cpu_attention._library.__wrapped__()
+        library = cpu_attention._library.__wrapped__(torch.bfloat16)
     assert library is not None
     assert "attend with the C kernel (AVX-512 BF16); building it failed" in caplog.text
     assert "(AMX)" in caplog.text
-    monkeypatch.setattr(cpu_attention, "_library", lambda: library)
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: library)
     queries, kv = torch.randn(1, 9, 4, 64).bfloat16(), torch.randn(2, 3, 300, 64).bfloat16()
     out, lse = torch.zeros(1, 9, 4, 64).bfloat16(), torch.full((1, 9, 4), float("-inf"))
     cpu_attention.attend_into(queries, kv, 0.125, out, lse)
@@ -263,17 +288,19 @@ def test_where_the_amx_build_fails_the_avx512_build_runs(
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
 
 
-@needs_kernel
-def test_the_kernel_is_built_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_the_kernel_is_built_once_per_source(
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
-    assert cpu_attention._library.__wrapped__() is not None
+    assert cpu_attention._library.__wrapped__(dtype) is not None
     (built,) = tmp_path.glob("cpu_attention-*.so")
     stamp = built.stat().st_mtime_ns
-    assert cpu_attention._library.__wrapped__() is not None
+    assert cpu_attention._library.__wrapped__(dtype) is not None
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_attention-*.so")] == [stamp]
 
 
-@needs_kernel
+@needs_bfloat16_kernel
 def test_torchs_own_users_of_the_matrix_tiles_run_as_before_between_kernel_calls() -> None:
     # The kernel sets the tiles up and releases them on each of its threads; torch's flash kernel and oneDNN's
     # products set them up their own way on the same threads. Interleaved, each gives what it gave alone.

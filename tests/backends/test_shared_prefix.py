@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from prefixgate.backends import HFBackend, KVReservation, SamplingParams, TokenChunk
+from prefixgate.backends import HFBackend, KVReservation, SamplingParams, TokenChunk, cpu_attention
 from prefixgate.backends import attention as attention_module
 from prefixgate.backends.kv_cache import sharing_refusal
 from prefixgate.backends.model_runner import ModelRunner, StepInput
@@ -86,9 +86,24 @@ def test_the_families_that_share_are_those_without_windows_or_soft_capping() -> 
         assert refusal is not None and ("sliding_attention" in refusal or "soft-caps" in refusal), (name, refusal)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test's float32 packed steps with the C kernel (skipped where it does not run), then with torch's
+    kernels."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_attention, "_library", lambda dtype: None)
+    elif not cpu_attention.prepare(torch.float32):
+        pytest.skip("the C kernel does not run here in float32")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("family", SHARING)
 def test_shared_prefixes_give_the_logits_of_one_buffer_for_prefill_chunks_and_decode_nested_or_not(
-    family: str, make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+    family: str,
+    attention_path: str,
+    make_backend: BackendFactory,
+    tokenizer: PreTrainedTokenizerFast,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = FAMILIES[family](len(tokenizer))
     geometry = make_backend(model).geometry  # the backend packs the model's attention
@@ -101,7 +116,8 @@ def test_shared_prefixes_give_the_logits_of_one_buffer_for_prefill_chunks_and_de
         whole = torch.zeros(shape)
         runner.run([StepInput(prompt[:32], whole, 0)])  # the unshared path fills the prefixes' K and V
     root, document = whole[:, :, :, :16].clone(), whole[:, :, :, 16:32].clone()  # a system prompt, a document
-    for exact in (False, True):  # the CPU kernel, and the plain matrix products other devices run
+    # With torch's kernels: its CPU flash kernel, then the plain matrix products other devices run.
+    for exact in (False, True) if attention_path == "torch" else (False,):
         if exact:
             monkeypatch.setattr(attention_module, "attend_with_lse", attention_module._attend_exactly)
         nested, shallow, alone = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
@@ -167,7 +183,9 @@ def test_exact_attention_holds_a_slice_of_the_scores_at_a_time_and_gives_what_al
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(shared: bool) -> None:
+def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(
+    shared: bool, attention_path: str
+) -> None:
     torch.manual_seed(0)
     heads, kv_heads, head_dim, context, length = 4, 2, 16, 3100, 5  # past _GROUPED_CONTEXT
     kv = torch.randn(1, 2, kv_heads, context + length, head_dim)  # kv: [layers, 2, kv_heads, positions, head_dim]
@@ -190,7 +208,7 @@ def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(sh
 
 
 @pytest.mark.parametrize("runs", [1, 3, attention_module._MOST_RUNS + 4])  # the last: copied together each layer
-def test_a_prefix_lent_in_runs_is_attended_as_one(runs: int) -> None:
+def test_a_prefix_lent_in_runs_is_attended_as_one(runs: int, attention_path: str) -> None:
     torch.manual_seed(0)
     heads, kv_heads, head_dim, shared, own = 4, 2, 16, 60, 5
     prefix = torch.randn(1, 2, kv_heads, shared, head_dim)  # prefix: [layers, 2, kv_heads, positions, head_dim]

@@ -1,0 +1,361 @@
+/* The inner parts of the bfloat16 kernel (built with -mavx512f -mavx512bw -mavx512bf16, and -mamx-tile -mamx-bf16 where
+   the CPU has AMX), included by cpu_attention.c: a chunk's keys packed for the products, a block of rows attended to
+   them, and the merges. Keys and values are bfloat16 (`elem`, uint16_t bits); the products sum in float32. */
+
+/* Built with AMX (-mamx-tile -mamx-bf16) the products run on its tiles; without, on AVX-512 BF16 dot products. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX 1
+#else
+#define AMX 0
+#endif
+
+#if AMX
+/* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 when granted. */
+int prefixgate_request_amx(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {  /* all eight tiles 16 rows of 64 bytes */
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.bytes_per_row[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+static void release_tiles(void) { _tile_release(); }
+#else
+int prefixgate_request_amx(void) { return 0; }
+static void configure_tiles(void) {}
+static void release_tiles(void) {}
+#endif
+
+static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finite t <= 0; 0 below -150 */
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(EXP2_POLYNOMIAL[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLYNOMIAL[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+typedef struct {
+    uint32_t keys[(KEYS / 16) * (MAX_DIM / 32) * 256];  /* per 16 keys and 32 columns: 16 column pairs x 16 keys */
+    uint16_t values[(MAX_DIM / 16) * (KEYS / 2) * 32];  /* per 16 columns and 32 keys: 16 key pairs x 16 columns */
+    uint16_t queries[ROWS * MAX_DIM];                   /* a block of query rows, padded to whole tiles */
+    float scores[ROWS * KEYS];
+    uint16_t probabilities[ROWS * KEYS];
+    float out[ROWS * MAX_DIM];                          /* the block's unnormalised output */
+    float max[ROWS], sum[ROWS];
+} scratch;
+
+/* Pack keys [0, n) of K and V (rows of d) for the tiles; keys past n are zeros. */
+static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, scratch *w) {
+    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
+    for (int64_t g = 0; g < padded; g += 16) {
+        const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
+        for (int64_t slab = 0; slab < slabs; slab++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = i < keys ? _mm512_loadu_si512(k + (g + i) * d + slab * 32) : _mm512_setzero_si512();
+            transpose16(r);
+            uint32_t *tile = w->keys + ((g / 16) * slabs + slab) * 256;
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(tile + i * 16, r[i]);
+        }
+    }
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t pair = 0; pair < padded / 2; pair++) {
+        const int64_t a = 2 * pair, b = 2 * pair + 1, block = pair / 16, row = pair % 16;
+        for (int64_t c = 0; c < d; c += 32) {
+            const __m512i x = a < n ? _mm512_loadu_si512(v + a * d + c) : _mm512_setzero_si512();
+            const __m512i y = b < n ? _mm512_loadu_si512(v + b * d + c) : _mm512_setzero_si512();
+            const int64_t j = c / 16;
+            _mm512_store_si512(w->values + ((j * blocks + block) * 16 + row) * 32, _mm512_permutex2var_epi16(x, low, y));
+            _mm512_store_si512(w->values + (((j + 1) * blocks + block) * 16 + row) * 32,
+                               _mm512_permutex2var_epi16(x, high, y));
+        }
+    }
+}
+
+
+#if AMX
+/* Scores of the block's query rows (in tiles of 16) against the packed keys, into w->scores. */
+static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
+    (void)count;
+    const int64_t slabs = d / 32;
+    /* 16 rows by 16 keys a tile: the products summed over slabs of 32 columns, each key tile loaded once for
+       every row tile (accumulators 0 to 3, keys 4 and 5, queries 6 and 7). */
+    for (int64_t g = 0; g < padded; g += 16) {
+        const uint32_t *keys = w->keys + (g / 16) * slabs * 256;
+        for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+            const int64_t tn = tiles - t0 < 4 ? tiles - t0 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t slab = 0; slab < slabs; slab++) {
+                const uint16_t *q = w->queries + t0 * 16 * d + slab * 32;
+                _tile_loadd(4, keys + slab * 256, 64);
+                _tile_loadd(6, q, d * 2);
+                _tile_dpbf16ps(0, 6, 4);
+                if (tn > 1) {
+                    _tile_loadd(7, q + 16 * d, d * 2);
+                    _tile_dpbf16ps(1, 7, 4);
+                }
+                if (tn > 2) {
+                    _tile_loadd(6, q + 32 * d, d * 2);
+                    _tile_dpbf16ps(2, 6, 4);
+                }
+                if (tn > 3) {
+                    _tile_loadd(7, q + 48 * d, d * 2);
+                    _tile_dpbf16ps(3, 7, 4);
+                }
+            }
+            float *scores = w->scores + t0 * 16 * KEYS + g;
+            _tile_stored(0, scores, KEYS * 4);
+            if (tn > 1) _tile_stored(1, scores + 16 * KEYS, KEYS * 4);
+            if (tn > 2) _tile_stored(2, scores + 32 * KEYS, KEYS * 4);
+            if (tn > 3) _tile_stored(3, scores + 48 * KEYS, KEYS * 4);
+        }
+    }
+}
+
+/* The block's unnormalised output, probabilities times values, into w->out. */
+static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
+    (void)count;
+    /* 16 rows by 64 columns at a time in four tiles: probabilities [16 x 32 keys] times values. */
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t c = 0; c < d; c += 64) {
+            const uint16_t *values = w->values + (c / 16) * blocks * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t block = 0; block < blocks; block++) {
+                _tile_loadd(4, w->probabilities + t * 16 * KEYS + block * 32, KEYS * 2);
+                _tile_loadd(5, values + block * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, values + (blocks + block) * 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, values + (2 * blocks + block) * 512, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, values + (3 * blocks + block) * 512, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+            float *out = w->out + t * 16 * d + c;
+            _tile_stored(0, out, d * 4);
+            _tile_stored(1, out + 16, d * 4);
+            _tile_stored(2, out + 32, d * 4);
+            _tile_stored(3, out + 48, d * 4);
+        }
+    }
+}
+#else
+typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
+
+/* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
+   a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
+static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
+                                                             int64_t d) {
+    __m512 acc[8][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
+    const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
+    for (int64_t pair = 0; pair < d / 2; pair++) {
+        const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g, acc[r][0]);
+        _mm512_store_ps(w->scores + (r0 + r) * KEYS + g + 16, acc[r][1]);
+    }
+}
+
+static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d) {
+    (void)tiles;
+    for (int64_t g = 0; g < padded; g += 32) {  /* padded: a multiple of 32 */
+        int64_t r = 0;
+        for (; r + 8 <= count; r += 8) score_rows(w, g, r, 8, d);
+        if (count - r >= 4) {
+            score_rows(w, g, r, 4, d);
+            r += 4;
+        }
+        if (count - r >= 2) {
+            score_rows(w, g, r, 2, d);
+            r += 2;
+        }
+        if (count - r >= 1) score_rows(w, g, r, 1, d);
+    }
+}
+
+/* Output columns [c, c + 64) of `rows` rows from r0: each vector of a key pair's 16 values loaded once for the rows,
+   each row's pair of probabilities broadcast to it. */
+static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_t r0, const int rows, int64_t c,
+                                                              int64_t blocks, int64_t d) {
+    __m512 acc[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    const uint16_t *values = w->values + (c / 16) * blocks * 512;
+    const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
+    for (int64_t pair = 0; pair < blocks * 16; pair++) {
+        __m512bh v[4];
+        for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * KEYS / 2 + pair]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
+}
+
+static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
+    (void)tiles;
+    for (int64_t c = 0; c < d; c += 64) {
+        int64_t r = 0;
+        for (; r + 4 <= count; r += 4) output_rows(w, r, 4, c, blocks, d);
+        if (count - r >= 2) {
+            output_rows(w, r, 2, c, blocks, d);
+            r += 2;
+        }
+        if (count - r >= 1) output_rows(w, r, 1, c, blocks, d);
+    }
+}
+#endif
+
+/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
+   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
+static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
+                         float scale, scratch *w) {
+    const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t r = r0 + i;
+        memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
+    }
+    memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
+    scores(w, count, tiles, padded, d);
+    /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Rows past `count` are
+       left as they are: their output rows are never read. Exponentials in base 2, the scale folded in. */
+    const float log2_scale = scale * 1.44269504088896341f;
+    for (int64_t r = 0; r < count; r++) {
+        const float *row = w->scores + r * KEYS;
+        uint16_t *probabilities = w->probabilities + r * KEYS;
+        int64_t visible = n;  /* the keys this row sees in the chunk */
+        if (x->causal_from >= 0) {
+            const int64_t last = x->causal_from + (r0 + r) % x->count - t0;  /* its last key, from the chunk's first */
+            visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
+        }
+        if (visible == 0) {
+            memset(probabilities, 0, sizeof(uint16_t) * padded);
+            w->max[r] = -INFINITY;
+            w->sum[r] = 0.0f;
+            continue;
+        }
+        const int64_t whole = visible / 16 * 16;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < whole; i += 16) top = _mm512_max_ps(top, _mm512_load_ps(row + i));
+        const __mmask16 tail = (__mmask16)((1u << (visible - whole)) - 1);
+        if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_load_ps(row + whole));
+        const float most = _mm512_reduce_max_ps(top);
+        const __m512 factor = _mm512_set1_ps(log2_scale), shift = _mm512_set1_ps(-most * log2_scale);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t i = 0; i < padded; i += 32) {
+            __m512 e[2];
+            for (int j = 0; j < 2; j++) {
+                const int64_t at = i + 16 * j;
+                if (at + 16 <= visible) e[j] = exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift));
+                else if (at < visible)
+                    e[j] = _mm512_maskz_mov_ps(tail, exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift)));
+                else e[j] = _mm512_setzero_ps();
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
+            _mm512_store_si512(probabilities + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        }
+        w->max[r] = most * scale;
+        w->sum[r] = _mm512_reduce_add_ps(total);
+    }
+    outputs(w, count, tiles, blocks, d);
+}
+
+/* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats, then `max` and `sum`
+   `rows` floats apart). The weights of 16 rows at a time. */
+static void merge_block(const scratch *w, int64_t count, int64_t d, float *acc, float *max, float *sum) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), floor = _mm512_set1_ps(-200.0f);
+    for (int64_t r0 = 0; r0 < count; r0 += 16) {
+        const __mmask16 rows = count - r0 >= 16 ? 0xffff : (__mmask16)((1u << (count - r0)) - 1);
+        const __m512 held = _mm512_maskz_loadu_ps(rows, max + r0), block = _mm512_maskz_loadu_ps(rows, w->max + r0);
+        const __m512 most = _mm512_max_ps(held, block);
+        /* A row that has seen no key yet (max -infinity) keeps nothing of what it holds, and gives nothing. */
+        const __mmask16 seen = _mm512_mask_cmp_ps_mask(rows, most, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 old = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(held, most), log2e), floor)));
+        const __m512 new = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(block, most), log2e), floor)));
+        const __m512 total = _mm512_fmadd_ps(old, _mm512_maskz_loadu_ps(rows, sum + r0),
+                                             _mm512_mul_ps(new, _mm512_maskz_loadu_ps(rows, w->sum + r0)));
+        _mm512_mask_storeu_ps(max + r0, rows, most);
+        _mm512_mask_storeu_ps(sum + r0, rows, total);
+        float olds[16] __attribute__((aligned(64))), news[16] __attribute__((aligned(64)));
+        _mm512_store_ps(olds, old);
+        _mm512_store_ps(news, new);
+        const int64_t n = count - r0 < 16 ? count - r0 : 16;
+        for (int64_t i = 0; i < n; i++) {
+            float *row = acc + (r0 + i) * d;
+            const float *part = w->out + (r0 + i) * d;
+            const __m512 a = _mm512_set1_ps(olds[i]), b = _mm512_set1_ps(news[i]);
+            for (int64_t x = 0; x < d; x += 16)
+                _mm512_storeu_ps(row + x, _mm512_fmadd_ps(a, _mm512_loadu_ps(row + x), _mm512_mul_ps(b, _mm512_loadu_ps(part + x))));
+        }
+    }
+}
+
+/* A held output row (bfloat16) as float32, into `to`. */
+static inline void load_held(const elem *held, float *to, int64_t d) {
+    for (int64_t c = 0; c < d; c += 16)
+        _mm512_store_ps(to + c, _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(held + c))), 16)));
+}
+
+/* `from` times `factor` into a held output row, rounded to bfloat16 (to nearest, ties to even). */
+static inline void store_held(const float *from, float factor, elem *held, int64_t d) {
+    const __m512 f = _mm512_set1_ps(factor);
+    for (int64_t c = 0; c < d; c += 16)
+        _mm256_storeu_si256((__m256i *)(held + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(from + c), f)));
+}

@@ -4,11 +4,11 @@
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
    work shared out by part, KV head and run of keys. Each item packs 256 keys at a time, so that every key is read
-   from memory once a call, then attends the part's query rows to them: scores in float32, softmax in float32
-   (exponentials in base 2, the scale folded in), then the probabilities times V. A row sees every key, or causally
-   those up to its own position. An item keeps an unnormalised output, the max of the scores and the sum of their
-   exponentials for each row; at the end they merge across items and into the attention the caller holds over other
-   keys, by log-sum-exp. */
+   from memory once a call, then attends the part's query rows to them, fetching the next 256 meanwhile: scores in
+   float32, softmax in float32 (exponentials in base 2, the scale folded in), then the probabilities times V. A row
+   sees every key, or causally those up to its own position. An item keeps an unnormalised output, the max of the
+   scores and the sum of their exponentials for each row; at the end they merge across items and into the attention
+   the caller holds over other keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -49,8 +49,32 @@ typedef struct {
 /* Query row i of KV head h's grouped rows (query head h * groups + i / count, position i % count). */
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
-/* Each defines the scratch of a thread, pack (a chunk's keys and values made ready), attend_block, merge_block (a
-   block's output merged into an item's running one), load_held and store_held (an output row the caller holds, as float32 and back), and the AMX tile calls. */
+/* The next chunk's keys and values on their way to the cache while this chunk is attended. `fetch_ahead` asks for
+   `step` more lines (64 bytes) of each into the nearest cache: asked for a few at a time between a block's products,
+   they arrive while the products run. `fetch_rest` asks for all that is left at once, into the second-level cache
+   (the nearest would not hold them beside what the block reads); most of those wait behind each other. */
+typedef struct {
+    const char *k, *v;
+    int64_t at, bytes, step;  /* bytes asked for so far, of `bytes` of each; lines a call of fetch_ahead asks for */
+} ahead_of;
+
+static inline void fetch_ahead(ahead_of *ahead) {
+    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->bytes; i++, ahead->at += 64) {
+        _mm_prefetch(ahead->k + ahead->at, _MM_HINT_T0);
+        _mm_prefetch(ahead->v + ahead->at, _MM_HINT_T0);
+    }
+}
+
+static inline void fetch_rest(ahead_of *ahead) {
+    for (; ahead->at < ahead->bytes; ahead->at += 64) {
+        _mm_prefetch(ahead->k + ahead->at, _MM_HINT_T1);
+        _mm_prefetch(ahead->v + ahead->at, _MM_HINT_T1);
+    }
+}
+
+/* Each defines the scratch of a thread, pack (a chunk's keys and values made ready), attend_block (which also sees
+   the next chunk fetched), merge_block (a block's output merged into an item's running one), load_held and
+   store_held (an output row the caller holds, as float32 and back), and the AMX tile calls. */
 #if FLOAT32
 #include "cpu_attention_f32.h"
 #else
@@ -162,16 +186,15 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
                 pack(k + t0 * d, v + t0 * d, n, d, w);
-                if (c + 1 < last) {  /* the next chunk's keys and values on their way to the cache meanwhile */
+                ahead_of ahead = {0};
+                if (c + 1 < last) {
                     const int64_t next = pp->tokens - t0 - KEYS < KEYS ? pp->tokens - t0 - KEYS : KEYS;
-                    for (int64_t b = 0; b < next * d * (int64_t)sizeof(elem); b += 64) {
-                        _mm_prefetch((const char *)(k + (t0 + KEYS) * d) + b, _MM_HINT_T1);
-                        _mm_prefetch((const char *)(v + (t0 + KEYS) * d) + b, _MM_HINT_T1);
-                    }
+                    ahead = (ahead_of){(const char *)(k + (t0 + KEYS) * d), (const char *)(v + (t0 + KEYS) * d), 0,
+                                       next * d * (int64_t)sizeof(elem), 0};
                 }
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
-                    attend_block(&x, h, r0, block, t0, n, d, scale, w);
+                    attend_block(&x, h, r0, block, t0, n, d, scale, w, &ahead);
                     if (c == first) keep_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
                     else merge_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
                 }

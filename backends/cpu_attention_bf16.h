@@ -265,7 +265,8 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 /* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
    t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
-                         float scale, scratch *w) {
+                         float scale, scratch *w, ahead_of *ahead) {
+    fetch_rest(ahead);  /* the next chunk all at once */
     const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;

@@ -74,13 +74,18 @@ static inline __attribute__((always_inline)) void product(const float *a, int64_
 }
 
 /* C[count x columns] = A[count x depth] B[depth x columns], columns a multiple of 16, B's 16 columns from column j at
-   `b + j * jump`: each 16 columns of B stay in the cache while every 6 rows of A meet them. */
+   `b + j * jump`: each 16 columns of B stay in the cache while every 6 rows of A meet them. With each product of up
+   to 6 rows, a few lines of `ahead` are fetched. */
 static void products(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t jump, int64_t depth, float *c,
-                     int64_t ldc, int64_t count, int64_t columns) {
+                     int64_t ldc, int64_t count, int64_t columns, ahead_of *ahead) {
     for (int64_t j = 0; j < columns; j += 16) {
         const float *bj = b + (j / 16) * jump;
         int64_t r = 0;
-        for (; r + 6 <= count; r += 6) product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 6);
+        for (; r + 6 <= count; r += 6) {
+            product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 6);
+            fetch_ahead(ahead);
+        }
+        if (r < count) fetch_ahead(ahead);
         switch (count - r) {
         case 5: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 5); break;
         case 4: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 4); break;
@@ -115,14 +120,18 @@ static inline float max8(__m256 x) {
 }
 
 /* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
-   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). */
+   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). What is left of `ahead`
+   is fetched meanwhile. */
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
-                         float scale, scratch *w) {
+                         float scale, scratch *w, ahead_of *ahead) {
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;
         memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(float) * d);
     }
-    products(w->queries, d, w->keys, 16, d * 16, d, w->scores, KEYS, count, (n + 15) / 16 * 16);
+    /* Over the scores' products, a share of the lines with each: all of them by the last. */
+    const int64_t columns = (n + 15) / 16 * 16, calls = (count + 5) / 6 * (columns / 16);
+    ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
+    products(w->queries, d, w->keys, 16, d * 16, d, w->scores, KEYS, count, columns, ahead);
     /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Exponentials in base
        2, the scale folded in. */
     const float log2_scale = scale * 1.44269504088896341f;
@@ -159,7 +168,7 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         w->max[r] = most * scale;
         w->sum[r] = sum;
     }
-    products(w->scores, KEYS, w->values, d, 16, n, w->out, d, count, d);
+    products(w->scores, KEYS, w->values, d, 16, n, w->out, d, count, d, ahead);  /* nothing left to fetch */
 }
 
 /* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats). */

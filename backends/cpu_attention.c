@@ -12,6 +12,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,6 @@
 #define ROWS 64   /* query rows attended together */
 #define KEYS 256  /* keys packed together */
 #define MAX_DIM 256
-#define MAX_SPLITS 8  /* runs of keys per head, each an item of work */
 
 #if FLOAT32
 typedef float elem;
@@ -120,6 +120,16 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
     const part_plan *plan = (const part_plan *)plans;
     part_place *place = malloc(sizeof(part_place) * count);
     if (!place) return -2;
+    /* Each KV head's keys in as few runs as give every thread the same number of a part's items: a run's first chunk
+       comes from memory unfetched and each run is merged at the end, so more runs cost more than they balance. */
+    const int64_t threads = omp_get_max_threads();
+    int64_t common = threads, rest = kv_heads;  /* their greatest common divisor */
+    while (rest) {
+        const int64_t r = common % rest;
+        common = rest;
+        rest = r;
+    }
+    const int64_t runs = threads / common;  /* the fewest with kv_heads * runs a multiple of the threads */
     int64_t items = 0, floats = 0, merged_rows = 0;
     for (int64_t p = 0; p < count; p++) {
         const part_plan *x = plan + p;
@@ -128,7 +138,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             free(place);
             return -1;
         }
-        const int64_t chunks = (x->tokens + KEYS - 1) / KEYS, splits = chunks < MAX_SPLITS ? chunks : MAX_SPLITS;
+        const int64_t chunks = (x->tokens + KEYS - 1) / KEYS, splits = chunks < runs ? chunks : runs;
         place[p] = (part_place){kv_heads * splits, splits, chunks, items, floats, merged_rows};
         items += kv_heads * splits;
         floats += kv_heads * splits * groups * x->count * (d + 2);

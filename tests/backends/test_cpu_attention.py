@@ -152,6 +152,28 @@ def test_queries_and_outputs_are_read_and_written_where_their_strides_say(dtype:
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+@pytest.mark.parametrize(("threads", "kv_heads"), [(1, 3), (2, 3), (3, 2), (5, 3)])
+def test_each_heads_keys_are_split_into_runs_by_the_threads_and_merged_exactly(
+    threads: int, kv_heads: int, dtype: torch.dtype
+) -> None:
+    # A call splits each KV head's keys into as few runs as give every thread the same number of them (1, 2, 3 and 5
+    # runs here), attended apart and merged by their log-sum-exps: the same attention at any thread count.
+    torch.manual_seed(0)
+    queries = torch.randn(1, 3 * kv_heads, 4, 64).to(dtype)
+    kv = (torch.randn(2, kv_heads, 3000, 64) * 2).to(dtype)  # 12 chunks of 256 keys a head
+    out, lse = torch.zeros_like(queries), torch.full(queries.shape[:3], float("-inf"))
+    expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_attention.attend_into(queries, kv, 0.125, out, lse)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), expected, **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
 def test_a_shared_prefix_is_attended_by_the_kernel_as_by_torchs(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     prefix = torch.randn(1, 2, 3, 2048, 64).to(dtype)  # [layers, 2, kv_heads, positions, head_dim]

@@ -23,7 +23,7 @@ tests=$?
 timeout 150 "$python" benchmarks/ttft_bench.py --lengths 512 2048 8128 --repeats 5 --json "$work/ttft.json" \
   >"$work/ttft.log" 2>&1
 bench=$?
-timeout 150 "$python" benchmarks/sharing_bench.py --prefixes 4096 --streams 8 16 --memory-streams 0 \
+timeout 150 "$python" benchmarks/sharing_bench.py --prefixes 4096 --streams 8 16 --memory-streams 0 --rounds 1 \
   --json "$work/sharing.json" >"$work/sharing.log" 2>&1
 sharing=$?
 

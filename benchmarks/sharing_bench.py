@@ -5,10 +5,14 @@ make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in me
 length with one request, then prints:
 
 1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, counted while all of them decode) with
-   a short prompt, and with distinct questions after the cached system prompt (the second of two rounds); the ratio
-   of the two (nan when the streams never all decoded at once).
+   a short prompt, and with distinct questions after the cached system prompt (after a first round on it, not
+   counted); the ratio of the two (nan when the streams never all decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix; the median of 3), and the
-   slowest first token of N warm requests sent at once; the ratio of the two. Both follow the streams on the prefix.
+   slowest first token of N warm requests sent at once; the ratio of the two.
+
+Each row is measured in `--rounds` rounds (3; each round short prompts, the prefix, one alone, N at once), so that a
+machine whose speed drifts meets both sides of a ratio alike: the medians are printed, and each ratio's median with
+its lowest and highest.
 3. KV memory for 32 streams on the 4k prefix, at its highest while they run: the shared prefix's bytes, read in place
    in the host tier (`prefixgate_kv_shared_bytes`), and the streams' own, which admission counts
    (`prefixgate_kv_memory_bytes`); the server's resident memory added (the prefix was in the host tier before); and
@@ -148,6 +152,12 @@ async def memory_of(url: str, system: str, count: int, pid: int, first: int) -> 
     return highest, shared, (rss_peak - rss_before) / 2**20, refused
 
 
+def _spread(values: list[float], form: str) -> str:
+    """The median of the rounds' values, and their lowest and highest where there are several."""
+    median = form.format(statistics.median(values))
+    return median if len(values) == 1 else f"{median} ({form.format(min(values))} to {form.format(max(values))})"
+
+
 def _rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -160,6 +170,7 @@ async def main() -> None:
     parser.add_argument("--prefixes", type=int, nargs="*", default=[4096, 7168], help="system prompt tokens")
     parser.add_argument("--streams", type=int, nargs="*", default=[8, 16])
     parser.add_argument("--memory-streams", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="measures of each row, their median printed")
     parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable, run instead of prefixgate")
@@ -194,25 +205,38 @@ async def main() -> None:
             await first_tokens(url, system, 1, asked, warm=False)  # caches the prefix
             asked += 1
             for count in args.streams:
-                short = await decode_rate(url, None, count, asked)
-                # Twice: llama.cpp's server keeps a prompt per slot, so the first round puts the prefix in every slot
-                # the second uses (prefixgate holds it once either way); the second is counted.
-                await decode_rate(url, system, count, asked + count)
-                shared = await decode_rate(url, system, count, asked + 2 * count)
-                asked += 3 * count
-                rates.append([str(tokens), str(count), f"{short:.1f}", f"{shared:.1f}", f"{shared / short:.2f}x"])
-                alone = statistics.median(
-                    [(await first_tokens(url, system, 1, asked + i, warm=not peer))[0] for i in range(3)]
+                # llama.cpp's server keeps a prompt per slot: a first round on the prefix puts it in every slot the
+                # counted ones use (prefixgate holds it once either way).
+                await decode_rate(url, system, count, asked)
+                asked += count
+                shorts, shareds, alones, slowests = [], [], [], []
+                for _ in range(args.rounds):  # short and shared in turn, so that a machine's drift meets both
+                    shorts.append(await decode_rate(url, None, count, asked))
+                    shareds.append(await decode_rate(url, system, count, asked + count))
+                    asked += 2 * count
+                    alones.append(
+                        statistics.median(
+                            [(await first_tokens(url, system, 1, asked + i, warm=not peer))[0] for i in range(3)]
+                        )
+                    )
+                    slowests.append(max(await first_tokens(url, system, count, asked + 3, warm=not peer)))
+                    asked += count + 3
+                rates.append(
+                    [
+                        str(tokens),
+                        str(count),
+                        f"{statistics.median(shorts):.1f}",
+                        f"{statistics.median(shareds):.1f}",
+                        _spread([shared / short for short, shared in zip(shorts, shareds, strict=True)], "{:.2f}x"),
+                    ]
                 )
-                slowest = max(await first_tokens(url, system, count, asked + 3, warm=not peer))
-                asked += count + 3
                 arrivals.append(
                     [
                         str(tokens),
                         str(count),
-                        f"{alone * 1e3:.0f} ms",
-                        f"{slowest * 1e3:.0f} ms",
-                        f"{slowest / alone:.1f}x",
+                        f"{statistics.median(alones) * 1e3:.0f} ms",
+                        f"{statistics.median(slowests) * 1e3:.0f} ms",
+                        _spread([slowest / alone for alone, slowest in zip(alones, slowests, strict=True)], "{:.1f}x"),
                     ]
                 )
             if tokens == args.prefixes[0] and args.memory_streams and not peer:

@@ -1,22 +1,22 @@
 """Many streams on one long cached prefix, through HTTP on SmolLM2: what sharing the prefix gives.
 
-Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (about eight minutes; `--prefixes 4096` and `--streams 8`
-make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory, caches a system prompt of each
-length with one request, then prints:
+Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (six to seven minutes on 2 cores; `--prefixes 4096` and
+`--streams 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory, caches a system
+prompt of each length with one request, then prints:
 
 1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, counted while all of them decode) with
    a short prompt, and with distinct questions after the cached system prompt (after a first round on it, not
    counted); the ratio of the two (nan when the streams never all decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix; the median of 3), and the
    slowest first token of N warm requests sent at once; the ratio of the two.
-
-Each row is measured in `--rounds` rounds (3; each round short prompts, the prefix, one alone, N at once), so that a
-machine whose speed drifts meets both sides of a ratio alike: the medians are printed, and each ratio's median with
-its lowest and highest.
 3. KV memory for 32 streams on the 4k prefix, at its highest while they run: the shared prefix's bytes, read in place
    in the host tier (`prefixgate_kv_shared_bytes`), and the streams' own, which admission counts
    (`prefixgate_kv_memory_bytes`); the server's resident memory added (the prefix was in the host tier before); and
    whether all were admitted without a 429.
+
+Each row of 1 and 2 is measured in `--rounds` rounds (3; each round short prompts, the prefix, one alone, N at once),
+so that a machine whose speed drifts meets both sides of a ratio alike: the medians are printed, and each ratio's
+median with its lowest and highest.
 
 `--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
 `serve` (repeat it: `--flag=--dtype --flag=bfloat16`), `--json FILE` also writes the tables to FILE (as
@@ -177,6 +177,8 @@ async def main() -> None:
     parser.add_argument("--gguf", help="the model file llama-server runs")
     parser.add_argument("--json", type=Path, help="also write the tables to this file")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds needs 1 or more")
     peer = args.llama_server is not None
     import torch
 

@@ -22,6 +22,7 @@
 #define ROWS 64   /* query rows attended together */
 #define KEYS 256  /* keys packed together */
 #define MAX_DIM 256
+#define MAX_RUNS 8  /* runs of keys per KV head at most: each run's output is held until the end of the call */
 
 #if FLOAT32
 typedef float elem;
@@ -129,7 +130,8 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
         common = rest;
         rest = r;
     }
-    const int64_t runs = threads / common;  /* the fewest with kv_heads * runs a multiple of the threads */
+    /* the fewest with kv_heads * runs a multiple of the threads, within the bound on what the call holds */
+    const int64_t runs = threads / common < MAX_RUNS ? threads / common : MAX_RUNS;
     int64_t items = 0, floats = 0, merged_rows = 0;
     for (int64_t p = 0; p < count; p++) {
         const part_plan *x = plan + p;

@@ -155,12 +155,13 @@ class HFBackend:
             clock=clock,
             gather_seconds=gather_seconds,
         )
-        # Compiled steps, where they were measured to pay: a CPU running the model in bfloat16 with its linear weights
-        # packed (see README, "The model's dtype"). They compile in a thread of their own; steps run eagerly until then.
+        # Compiled steps, where they were measured to pay: a CPU running the model with its linear weights prepacked
+        # (bfloat16, or float32 on AMD's CPUs; see README, "The model's dtype"). They compile in a thread of their own;
+        # steps run eagerly until then.
         self.compiling: threading.Thread | None = None
         self.steps = "eager"  # "compiling", then "compiled", or "eager" again when compiling failed
         if compile_steps == "auto":
-            compile_steps = self.prepacked > 0 and model.dtype == torch.bfloat16
+            compile_steps = self.prepacked > 0
         if compile_steps and self.prefix_reuse:
             self.steps = "compiling"
             self.compiling = threading.Thread(

@@ -69,7 +69,8 @@ class Settings(BaseSettings):
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="run the model's step compiled (torch.compile, in the background while steps run eagerly); auto "
-        "compiles where it was measured to pay: a CPU running the model in bfloat16",
+        "compiles where it was measured to pay: a CPU whose linear weights are prepacked (bfloat16, or float32 on "
+        "AMD's x86 CPUs)",
     )
     store: Path | None = Field(
         Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"

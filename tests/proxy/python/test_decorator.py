@@ -23,6 +23,7 @@ from aiohttp import web
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, model_runner
+from prefixgate.backends.packed_linear import packs
 from prefixgate.errors import ConfigError, RequestError
 from prefixgate.proxy import PromptCache, Reply, ServerError
 from prefixgate.proxy.app import SERVE_OPTIONS, create_app
@@ -166,18 +167,19 @@ def test_open_loads_a_model_folder_with_the_servers_settings(model_folder: Path,
 def test_open_runs_steps_eagerly_unless_a_compile_setting_says_otherwise(
     model_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("no oneDNN bfloat16 here: `auto` would not compile anyway")
+    dtype = next((name for name in ("bfloat16", "float32") if packs(getattr(torch, name))), None)
+    if dtype is None:
+        pytest.skip("no linear weights are prepacked here: `auto` would not compile anyway")
 
     def unavailable(function: Any, **options: Any) -> Any:
         raise RuntimeError("not compiled in this test")
 
     monkeypatch.setattr(model_runner.torch, "compile", unavailable)
-    # In bfloat16 on this CPU the linear weights are packed, where `prefixgate serve` would compile by default.
-    with PromptCache.open(model=str(model_folder), store="", dtype="bfloat16") as cache:
+    # In this dtype on this CPU the linear weights are packed, where `prefixgate serve` would compile by default.
+    with PromptCache.open(model=str(model_folder), store="", dtype=dtype) as cache:
         assert cache.engine is not None and cache.engine.backend.compiling is None
     monkeypatch.setenv("PREFIXGATE_COMPILE", "auto")
-    with PromptCache.open(model=str(model_folder), store="", dtype="bfloat16") as cache:
+    with PromptCache.open(model=str(model_folder), store="", dtype=dtype) as cache:
         assert cache.engine is not None
         backend = cache.engine.backend
         assert isinstance(backend, HFBackend) and backend.compiling is not None

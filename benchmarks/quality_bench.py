@@ -166,7 +166,7 @@ def main() -> None:
     backends = [HFBackend.load("smollm2-135m", dtype=dtype) for dtype in ("float32", "bfloat16")]
     for backend in backends:
         if backend.compiling is not None:
-            backend.compiling.join()  # bfloat16's steps as served once compiled
+            backend.compiling.join()  # the steps as served once compiled
     capacity = args.document_tokens + 600 * args.long + 512  # the longest document, a question and its answer
     float32, bfloat16 = (Runner(backend, capacity) for backend in backends)
     eos = backends[0]._tokenizer.eos_token_id

@@ -2,14 +2,15 @@
 on the same weights.
 
 Run by hand: `.venv/bin/python benchmarks/speed_bench.py --llama-server PATH --gguf F32.gguf --gguf BF16.gguf`
-(about seven minutes; without `--llama-server` only prefixgate's rows). Each server in turn, through HTTP on
+(about seven minutes; without `--llama-server` only prefixgate's rows). Every server runs at once, through HTTP on
 127.0.0.1 (prefixgate with its store in memory, measured once its steps are compiled; llama.cpp's server with 8
-slots, each with room for the whole prompt, its other settings as they come), prints:
+slots, each with room for the whole prompt, its other settings as they come), and in each of 5 rounds each is
+measured in turn while the others idle, so that the machine's drift meets them alike. It prints the medians of:
 
 - decode tokens/s of 1 stream and of 8 streams at once (64 tokens each, greedy, a short prompt, counted while all of
-  them decode; the median of 3 rounds);
-- the first token of a warm request: a new question after a 4k-token system prompt sent once before (the median of
-  3), which prefixgate serves from its cache and llama.cpp's server from a slot that kept the prompt.
+  them decode);
+- the first token of a warm request: a new question after a 4k-token system prompt sent once before, which
+  prefixgate serves from its cache and llama.cpp's server from a slot that kept the prompt.
 
 The GGUF files are the model folder converted with llama.cpp's `convert_hf_to_gguf.py --outtype f32` (and `bf16`).
 """
@@ -29,16 +30,21 @@ from sharing_bench import decode_rate, first_tokens, system_prompt
 
 PREFIX_TOKENS = 4096
 STREAMS = 8
-ROUNDS = 3
+ROUNDS = 5
 
 
-async def measure(url: str, system: str, *, warm: bool) -> tuple[float, float, float]:
-    """Return decode tokens/s of 1 and of 8 streams, and the first token of a warm request after `system`."""
-    await decode_rate(url, None, 2, 0)  # warm up
-    one = statistics.median([await decode_rate(url, None, 1, 10 + i) for i in range(ROUNDS)])
-    many = statistics.median([await decode_rate(url, None, STREAMS, 100 + STREAMS * i) for i in range(ROUNDS)])
-    await first_tokens(url, system, 1, 1000, warm=False)  # puts the prompt in the cache (or a slot)
-    ttft = statistics.median([(await first_tokens(url, system, 1, 2000 + i, warm=warm))[0] for i in range(ROUNDS)])
+async def prime(url: str, system: str) -> None:
+    """Warm a server up and put the prompt in its cache (or a slot)."""
+    await decode_rate(url, None, 2, 0)
+    await first_tokens(url, system, 1, 1000, warm=False)
+
+
+async def measure(url: str, system: str, round_: int, *, warm: bool) -> tuple[float, float, float]:
+    """Return one round's decode tokens/s of 1 and of 8 streams, and the first token of a warm request after
+    `system`."""
+    one = await decode_rate(url, None, 1, 10 + round_)
+    many = await decode_rate(url, None, STREAMS, 100 + STREAMS * round_)
+    ttft = (await first_tokens(url, system, 1, 2000 + round_, warm=warm))[0]
     return one, many, ttft
 
 
@@ -70,10 +76,19 @@ async def main() -> None:
     ]
     if args.llama_server:
         servers += [(f"llama.cpp {Path(g).name}", llama_server(args.llama_server, g), False) for g in args.gguf]
-    results = []
-    for name, server_context, warm in servers:
-        async with server_context as server:
-            results.append((name, *await measure(server.url, system, warm=warm)))
+    async with contextlib.AsyncExitStack() as stack:
+        running = [(name, await stack.enter_async_context(context), warm) for name, context, warm in servers]
+        for _, server, _ in running:
+            await prime(server.url, system)
+        # Every server measured in each round, in turn, so that the machine's drift meets them alike.
+        rounds: list[list[tuple[float, float, float]]] = [[] for _ in running]
+        for round_ in range(ROUNDS):
+            for measured, (_, server, warm) in zip(rounds, running, strict=True):
+                measured.append(await measure(server.url, system, round_, warm=warm))
+    results = [
+        (name, *(statistics.median(values) for values in zip(*measured, strict=True)))
+        for (name, _, _), measured in zip(servers, rounds, strict=True)
+    ]
     # The peer's first model file (F32) is what the targets compare with, when it ran.
     base = next((r for r in results if r[0].startswith("llama.cpp")), None)
     rows = []

@@ -170,7 +170,7 @@ def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
 @functools.cache
 def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     """Build (once per source) and load the kernel for `dtype`; None, said once in the log, where it cannot run."""
-    why = _unavailable(dtype)
+    why = unavailable(dtype)
     if why is None:
         # Where the CPU has AMX its build comes first; where that one fails (an older compiler, a Linux that does not
         # grant the tiles), the AVX-512 BF16 build.
@@ -195,9 +195,9 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
 def _load(flags: tuple[str, ...]) -> ctypes.CDLL | str:
     """Build the kernel with these flags (once per source) and load it; or say why that failed."""
     try:
-        library = ctypes.CDLL(str(_built(flags)))
+        library = ctypes.CDLL(str(build(_SOURCES, flags)))
     except (OSError, subprocess.CalledProcessError) as error:
-        return f"building it failed ({_first_line(error)})"
+        return f"building it failed ({first_line(error)})"
     if library.prefixgate_request_amx() != 0:
         return "Linux did not grant the AMX tile state"
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -208,7 +208,9 @@ def _load(flags: tuple[str, ...]) -> ctypes.CDLL | str:
     return library
 
 
-def _unavailable(dtype: torch.dtype) -> str | None:
+def unavailable(dtype: torch.dtype) -> str | None:
+    """Say why no kernel of this module's kinds is built here for `dtype` (its CPU features, a compiler); None where
+    one can be."""
     if dtype not in _DIM_MULTIPLE:
         return f"takes bfloat16 and float32, not {_name(dtype)}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -260,26 +262,27 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _built(flags: tuple[str, ...]) -> Path:
-    """Return the kernel's shared library built with `flags`, compiling it first unless this source was built so
-    already."""
+def build(sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
+    """Return the shared library of the C source `sources[0]` (the others: what it includes) built with `flags`,
+    compiling it first unless these sources were built so already (this kernel's, and `packed_linear`'s)."""
     compiler = _compiler()
     assert compiler is not None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in sources)
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"cpu_attention-{digest}.so"
+    target = kernel_dir() / f"{sources[0].stem}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed onto it, so that servers starting together never load a partial file.
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
             partial = Path(folder) / target.name
             subprocess.run(
-                [compiler, *flags, "-o", str(partial), str(_SOURCE)], check=True, capture_output=True, text=True
+                [compiler, *flags, "-o", str(partial), str(sources[0])], check=True, capture_output=True, text=True
             )
             os.replace(partial, target)
     return target
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of what a failed build said."""
     text = getattr(error, "stderr", None) or str(error)
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__

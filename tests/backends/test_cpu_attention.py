@@ -269,8 +269,8 @@ def test_dtypes_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
 def test_without_a_compiler_or_when_it_fails_the_kernel_is_not_used_and_the_log_says_why(
     dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
-    if cpu_attention._unavailable(dtype) not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
-        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention._unavailable(dtype)}")
+    if cpu_attention.unavailable(dtype) not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
+        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention.unavailable(dtype)}")
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     name = str(dtype).removeprefix("torch.")

@@ -1,15 +1,17 @@
-"""Prepacked linear layers: a model on a CPU computes what it computed before, from oneDNN's own layout (bfloat16 where
-oneDNN computes it, float32 on AMD's CPUs)."""
+"""Prepacked linear layers: a model on a CPU computes what it computed before, from a layout made once (oneDNN's in
+bfloat16 where oneDNN computes it; on AMD's CPUs float32 in the C kernel's, or oneDNN's where that does not build)."""
 
 from __future__ import annotations
 
 import copy
+import logging
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import PreTrainedModel
 
-from prefixgate.backends import HFBackend, SamplingParams, packed_linear
+from prefixgate.backends import HFBackend, SamplingParams, cpu_attention, packed_linear
 from prefixgate.backends.packed_linear import PackedLinear, applies, packs, prepack_linear_weights
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
@@ -24,16 +26,65 @@ packed_dtypes = pytest.mark.parametrize("dtype", PACKED, ids=str)
 
 @on_packing_cpus
 @packed_dtypes
-@pytest.mark.parametrize("rows", [1, 8, 300])
-def test_a_packed_layer_gives_what_the_plain_one_gives(rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [1, 8, 65, 300])
+@pytest.mark.parametrize(("features", "bias"), [((96, 160), True), ((37, 50), False)], ids=["96x160", "37x50"])
+def test_a_packed_layer_gives_what_the_plain_one_gives(
+    rows: int, features: tuple[int, int], bias: bool, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 160, bias=True).to(dtype)
-    x = torch.randn(1, rows, 96, dtype=dtype)  # x: [batch, rows, in_features]
+    linear = torch.nn.Linear(*features, bias=bias).to(dtype)
+    x = torch.randn(2, rows, features[0], dtype=dtype)  # x: [batch, rows, in_features]
     with torch.inference_mode():
         expected = linear(x)
         out = PackedLinear(linear)(x)
-    assert out.shape == expected.shape == (1, rows, 160)
+    assert out.shape == expected.shape == (2, rows, features[1])
     torch.testing.assert_close(out, expected, atol=LAST_PLACE[dtype], rtol=LAST_PLACE[dtype])
+
+
+needs_float32_kernel = pytest.mark.skipif(
+    packed_linear._kernel() is None, reason="the float32 linear kernel does not build here (AVX2, FMA, a C compiler)"
+)
+
+
+@needs_float32_kernel
+def test_float32_layers_run_on_the_c_kernel_where_it_builds_and_on_onednn_where_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    linear = torch.nn.Linear(64, 48)
+    assert PackedLinear(linear).panels is not None
+    monkeypatch.setattr(packed_linear, "_kernel", lambda: None)
+    onednn = PackedLinear(linear)
+    assert onednn.panels is None
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(onednn(x), linear(x), atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
+
+
+def test_where_the_float32_kernel_cannot_be_built_the_log_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if cpu_attention.unavailable(torch.float32) not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
+        pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention.unavailable(torch.float32)}")
+    monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+        assert packed_linear._kernel.__wrapped__() is None
+    assert "float32 linear layers are prepacked for oneDNN: the C kernel building it failed" in caplog.text
+    assert not list(tmp_path.glob("*.so"))
+
+
+@needs_float32_kernel
+def test_a_float32_rows_output_is_the_same_to_the_bit_whatever_rows_are_beside_it() -> None:
+    # Each output is summed over the inputs in one order, whatever the batch: a request's logits do not depend on the
+    # requests stepped with it.
+    torch.manual_seed(0)
+    layer = PackedLinear(torch.nn.Linear(200, 70))
+    x = torch.randn(130, 200)  # past one group of 64 rows
+    with torch.inference_mode():
+        together = layer(x)
+        for row in (0, 5, 6, 63, 64, 129):
+            assert torch.equal(layer(x[row : row + 1]), together[row : row + 1])
+            assert torch.equal(layer(x[row - 3 if row >= 3 else 0 : row + 1])[-1], together[row])
 
 
 @on_packing_cpus

@@ -1,0 +1,76 @@
+"""A step's linear layers, alone: float32 on the C kernel's layout against oneDNN's, SmolLM2's 211 layers.
+
+Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about half a minute). SmolLM2's linear layers in float32
+(its 30 layers' projections and MLPs, and the output projection), each packed both ways (`backends/cpu_linear.c`, and
+oneDNN's layout as `packed_linear` makes it where the kernel does not build), are run one after another on random rows,
+as a step runs them: the weights, 540 MB, come from memory each time. It prints the median time of all 211 for each
+row count, the two layouts taking turns, and what reading the weights once takes (a sum over a tensor of their size).
+Where the kernel does not build (it needs AVX2, FMA and a C compiler), it says so and stops.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from batching_bench import table
+
+from prefixgate.backends import HFBackend, packed_linear
+from prefixgate.backends.packed_linear import PackedLinear
+
+ROWS = [1, 8, 16, 64, 512]
+ROUNDS = 5
+
+
+def median_ms(runs: list[Callable[[], object]]) -> list[float]:
+    """Run each in turn, ROUNDS times after a warm-up; return each one's median in ms."""
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(ROUNDS + 1):
+        for measured, run in zip(times, runs, strict=True):
+            start = time.perf_counter()
+            run()
+            if round_:
+                measured.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def main() -> None:
+    if packed_linear._kernel() is None:
+        print("the float32 linear kernel does not build here (it needs AVX2, FMA and a C compiler); see the log")
+        return
+    backend = HFBackend.load("smollm2-135m", dtype="float32", prepack_weights=False, compile_steps=False)
+    plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
+    kernel = [PackedLinear(linear) for linear in plain]
+    real = packed_linear._kernel
+    packed_linear._kernel = lambda: None  # type: ignore[assignment]  # packs for oneDNN
+    try:
+        onednn = [PackedLinear(linear) for linear in plain]
+    finally:
+        packed_linear._kernel = real
+    weights = torch.ones(sum(linear.weight.numel() for linear in plain))  # written, so its pages are its own
+    print(
+        f"SmolLM2-135M-Instruct's {len(plain)} linear layers, float32, {torch.get_num_threads()} threads; "
+        f"{weights.numel() * 4 / 1e6:.0f} MB of weights; the median of {ROUNDS} rounds\n"
+    )
+    rows = []
+    with torch.inference_mode():
+        (reading,) = median_ms([weights.sum])
+        for count in ROWS:
+            inputs = {n: torch.randn(count, n) for n in {linear.in_features for linear in plain}}
+
+            def run(layers: list[PackedLinear], inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+
+            ours, theirs = median_ms([lambda: run(kernel), lambda: run(onednn)])
+            rows.append(
+                [str(count), f"{ours:.1f} ms", f"{theirs:.1f} ms", f"{theirs / ours:.2f}x", f"{reading:.1f} ms"]
+            )
+    table(["rows", "C kernel", "oneDNN's layout", "speed-up", "reading the weights"], rows)
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -78,13 +78,16 @@ def _packed_linear(x: torch.Tensor, number: int) -> torch.Tensor:
     if layer.panels is None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         return out
+    assert x.dtype == torch.float32, "the C kernel packed this layer's float32 weight"  # it reads x as float32
     rows = x.reshape(-1, layer.in_features).contiguous()
     result = rows.new_empty((rows.shape[0], layer.out_features))
-    bias = None if layer.bias is None else layer.bias.detach().contiguous().data_ptr()
+    bias = None if layer.bias is None else layer.bias.detach().contiguous()  # held while the kernel reads it
     kernel = _kernel()
     assert kernel is not None  # it packed the layer
     m, k, n = rows.shape[0], layer.in_features, layer.out_features  # y[m, n] = x[m, k] W^T, as cpu_linear.c names them
-    kernel.prefixgate_linear(rows.data_ptr(), m, k, layer.panels.data_ptr(), n, bias, result.data_ptr())
+    kernel.prefixgate_linear(
+        rows.data_ptr(), m, k, layer.panels.data_ptr(), n, None if bias is None else bias.data_ptr(), result.data_ptr()
+    )
     return result.reshape(*x.shape[:-1], layer.out_features)
 
 

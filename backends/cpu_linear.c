@@ -1,11 +1,18 @@
 /* float32 linear layers on x86 CPUs with AVX2 and FMA: see packed_linear.py.
 
-   A weight [n, k] is packed once into panels of 16 output columns, each k rows of 16 floats (the weight's rows
-   transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of x: k in chunks of
+   A weight [n, k] is packed once (by packed_linear.py) into panels of 16 output columns, each k rows of 16 floats (the
+   weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of x: k in chunks of
    128 rows of the panel (8 KiB, held in the nearest cache while every 6 rows of x meet it), each 6 rows in 12
    accumulators (6 rows by two vectors of 8), the partial outputs kept in a small buffer between chunks. While the
    first rows meet a chunk, the next chunk's lines are asked for, one a step, so the weight streams from memory as the
-   products run. Each output is summed over k in the same order whatever the rows beside it. */
+   products run. Each output is summed over k in the same order whatever the rows beside it.
+
+   A weight that is exactly a block code (w = d q + o for each 32 values of k along a row, q a small integer, d a
+   half-precision number: what a GGUF file's Q4_1 or Q8_0 weights become as float32) may be packed as its codes
+   instead: panels of 16 int8 codes per value of k, and for each 32 values of k the 16 columns' d and o. Each chunk is
+   rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to the
+   bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes come
+   from memory. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -13,13 +20,7 @@
 
 #define CHUNK 128       /* rows of a panel (values of k) held while every row of x meets them */
 #define GROUP 64        /* rows of x a panel meets in one pass: its partial outputs are 64 by 16 floats */
-
-void prefixgate_pack_linear(const float *w, int64_t n, int64_t k, float *panels) {
-    for (int64_t p = 0; p < (n + 15) / 16; p++)
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t j = 0; j < 16; j++)
-                panels[(p * k + i) * 16 + j] = p * 16 + j < n ? w[(p * 16 + j) * k + i] : 0.0f;
-}
+#define BLOCK 32        /* values of k sharing a code's d and o */
 
 /* c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16] (rows at most 6; a's rows `lda` apart, b's rows 16
    floats), asking for `lines` lines (64 bytes) of `next`, one a step. */
@@ -61,28 +62,61 @@ static void chunk(const float *x, int64_t k, int64_t count, const float *b, int6
     }
 }
 
-/* y[m, n] = x[m, k] W^T (+ bias[n] where bias is not NULL), W packed by prefixgate_pack_linear; x and y contiguous.
-   Panels are shared out among the threads. */
-void prefixgate_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias,
-                       float *y) {
-    const int64_t count = (n + 15) / 16;
+/* b[depth x 16] = the floats of `depth` rows of code panel (depth a multiple of BLOCK), their d and o `scales` and
+   `offsets` (16 each per BLOCK rows). */
+static void decode(const int8_t *codes, const float *scales, const float *offsets, int64_t depth, float *b) {
+    for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
+        const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+        for (int64_t i = i0; i < i0 + BLOCK; i++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+            _mm256_store_ps(b + i * 16, _mm256_fmadd_ps(q0, d0, o0));
+            _mm256_store_ps(b + i * 16 + 8, _mm256_fmadd_ps(q1, d1, o1));
+        }
+    }
+}
+
+/* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
+   to 16), or code panels of the same shape with their scales and offsets [n / 16][k / BLOCK][16] (k a multiple of
+   BLOCK); the pointers not used, and a missing bias, are NULL. */
+struct prefixgate_linear_weight {
+    int64_t n, k;
+    const float *panels;
+    const int8_t *codes;
+    const float *scales, *offsets;
+    const float *bias;
+};
+
+/* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous. Panels are shared out among the threads. */
+void prefixgate_linear(const struct prefixgate_linear_weight *w, const float *x, int64_t m, float *y) {
+    const int64_t n = w->n, k = w->k, count = (n + 15) / 16;
+    const int64_t width = w->codes ? 1 : 4; /* bytes a value of a panel takes */
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < count; p++) {
             float c[GROUP * 16] __attribute__((aligned(64)));
-            const float *panel = panels + p * k * 16;
+            float decoded[CHUNK * 16] __attribute__((aligned(64)));
+            const char *panel = w->codes ? (const char *)(w->codes + p * k * 16) : (const char *)(w->panels + p * k * 16);
             for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
                 const int64_t depth = k - k0 < CHUNK ? k - k0 : CHUNK;
+                if (w->codes) {
+                    const int64_t block = (p * k + k0) / BLOCK * 16;
+                    decode(w->codes + (p * k + k0) * 16, w->scales + block, w->offsets + block, depth, decoded);
+                }
+                const float *b = w->codes ? decoded : w->panels + (p * k + k0) * 16;
                 /* the next chunk, or the next panel's first: panels lie one after the other */
-                const char *next = (const char *)(panel + (k0 + depth) * 16);
-                const int64_t lines = p + 1 < count || k0 + depth < k ? depth : 0;
-                chunk(x + g * k + k0, k, rows, panel + k0 * 16, depth, c, k0 > 0, next, lines);
+                const char *next = panel + (k0 + depth) * 16 * width;
+                const int64_t lines = p + 1 < count || k0 + depth < k ? depth * width / 4 : 0;
+                chunk(x + g * k + k0, k, rows, b, depth, c, k0 > 0, next, lines);
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
             for (int64_t r = 0; r < rows; r++) {
                 float *out = y + (g + r) * n + p * 16;
-                for (int64_t j = 0; j < columns; j++) out[j] = c[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+                for (int64_t j = 0; j < columns; j++) out[j] = c[r * 16 + j] + (w->bias ? w->bias[p * 16 + j] : 0.0f);
             }
         }
     }

@@ -1,4 +1,4 @@
-"""Linear layers whose weights are laid out once for oneDNN's kernels on a CPU.
+"""Linear layers whose weights are laid out once on a CPU: for oneDNN's kernels, or for a C kernel of our own.
 
 A bfloat16 matrix product on a CPU goes to oneDNN, which first reorders the weight into the blocked layout its AMX and
 AVX-512 kernels read, on every call. Reordered once at load, the same kernels skip that work: measured on SmolLM2 and
@@ -16,6 +16,13 @@ of their own (`cpu_linear.c`, built as the attention kernel is, see `cpu_attenti
 oneDNN's layout where it does not: SmolLM2's 211 layers, their weights coming from memory as in a step, took 31.9 ms
 for one row against oneDNN's 39.9 (reading the weights once takes 22.5), 57.7 for 16 rows against 74.4, 958 for 512
 against 1003 (benchmarks/linear_bench.py).
+
+A float32 weight that is exactly GGUF blocks (a GGUF model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights as transformers
+loads them, each 32 values along a row d q + o, d a half-precision number and q a small integer; `block_codes`) goes
+to the C kernel as its int8 codes with each block's d and o, 1.25 bytes a weight instead of 4, and the kernel rebuilds
+each piece of the weight to the bit as it reads it: the products are those of its float layout, bit for bit. The
+embedded SmolLM2's 211 layers are all such (Q4_1 and Q8_0: 168 MB instead of 538), and the decode step reads a third
+of the bytes (see README, "The model's dtype").
 """
 
 from __future__ import annotations
@@ -42,27 +49,32 @@ _NUMBERS = itertools.count()
 
 
 class PackedLinear(torch.nn.Module):
-    """A bias-optional linear layer computed from a weight laid out once: by the C kernel in float32 where it builds,
-    by oneDNN otherwise."""
+    """A bias-optional linear layer computed from a weight laid out once: by the C kernel in float32 where it builds
+    (as int8 codes where the weight is exactly one, see `block_codes`), by oneDNN otherwise."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, *, codes: bool = True) -> None:
+        """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
         weight = linear.weight.detach()
         library = _kernel() if weight.dtype == torch.float32 else None
+        # The C kernel's layouts (see cpu_linear.c), none of them parameters: float panels, or code panels with their
+        # scales and offsets, and the bias, by their names in its description of the weight, which points into them.
+        self.layout: dict[str, torch.Tensor] = {}
+        self.described: ctypes._Pointer[_Weight] | None = None
         with torch.no_grad():
-            if library is not None:
-                # panels: the C kernel's layout, 16 output features a panel (see cpu_linear.c); not a parameter
-                self.panels: torch.Tensor | None = torch.empty((self.out_features + 15) // 16 * 16 * self.in_features)
-                weight = weight.contiguous()
-                library.prefixgate_pack_linear(
-                    weight.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr()
-                )
-            else:
-                self.panels = None
-                # packed: oneDNN's opaque layout of the [out_features, in_features] weight; not a parameter
+            if library is None:
+                # oneDNN's opaque layout of the [out_features, in_features] weight
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-        self.bias = linear.bias
+            else:
+                found = block_codes(weight) if codes else None
+                parts = zip(("codes", "scales", "offsets"), found, strict=True) if found else [("panels", weight)]
+                self.layout = {name: _panels(part) for name, part in parts}
+                if self.bias is not None:
+                    self.layout["bias"] = self.bias.detach().contiguous()
+                pointers = {name: part.data_ptr() for name, part in self.layout.items()}
+                self.described = ctypes.pointer(_Weight(n=self.out_features, k=self.in_features, **pointers))
         self.number = next(_NUMBERS)
         _LAYERS[self.number] = self
 
@@ -72,28 +84,104 @@ class PackedLinear(torch.nn.Module):
         return out
 
 
-@torch.library.custom_op("prefixgate::packed_linear", mutates_args=())
+class _Weight(ctypes.Structure):
+    """cpu_linear.c's `struct prefixgate_linear_weight`."""
+
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("panels", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+# A plain operator: `torch.library.custom_op`'s checks cost about 5 µs more a call, 1 ms a step of SmolLM2's 211 layers.
+_OPS = torch.library.Library("prefixgate", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("packed_linear(Tensor x, int number) -> Tensor")  # type: ignore[no-untyped-call]
+
+
 def _packed_linear(x: torch.Tensor, number: int) -> torch.Tensor:
     layer = _LAYERS[number]
-    if layer.panels is None:
+    if layer.described is None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         return out
     assert x.dtype == torch.float32, "the C kernel packed this layer's float32 weight"  # it reads x as float32
     rows = x.reshape(-1, layer.in_features).contiguous()
     result = rows.new_empty((rows.shape[0], layer.out_features))
-    bias = None if layer.bias is None else layer.bias.detach().contiguous()  # held while the kernel reads it
     kernel = _kernel()
     assert kernel is not None  # it packed the layer
-    m, k, n = rows.shape[0], layer.in_features, layer.out_features  # y[m, n] = x[m, k] W^T, as cpu_linear.c names them
-    kernel.prefixgate_linear(
-        rows.data_ptr(), m, k, layer.panels.data_ptr(), n, None if bias is None else bias.data_ptr(), result.data_ptr()
-    )
-    return result.reshape(*x.shape[:-1], layer.out_features)
+    kernel.prefixgate_linear(layer.described, rows.data_ptr(), rows.shape[0], result.data_ptr())
+    return result.view(*x.shape[:-1], layer.out_features)
 
 
-@_packed_linear.register_fake
+_OPS.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("prefixgate::packed_linear")  # type: ignore[untyped-decorator]
 def _(x: torch.Tensor, number: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _LAYERS[number].out_features))
+
+
+_BLOCK = 32  # values of k sharing a code's scale and offset, as in cpu_linear.c and GGUF's block formats
+# How GGUF's block formats rebuild 32 weights as float32: w = d q + o, d (and o) a half-precision number, q a small
+# integer. (levels, offset): Q4_1 and Q5_1 span their block's least value to its greatest in 15 or 31 steps of d from
+# o; Q8_0, Q4_0 and Q5_0 have no offset, and the largest magnitude is 127, 8 or 16 steps of d.
+_FORMS = ((15, True), (31, True), (127, False), (8, False), (16, False))
+
+
+def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Return int8 codes `q` [n, k] and float32 scales `d` and offsets `o` [n, k / 32] with `d * q + o == weight` to
+    the bit for a float32 weight [n, k] whose every block of 32 values along k is one of GGUF's block formats (a GGUF
+    model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights, dequantized to float32 as transformers loads them); None where a
+    block is not. Each d is a half-precision number and each |q| at most 127, so `d * q` is exact in float32 and one
+    rounding of `d * q + o` (an FMA) gives the weight again."""
+    rows, k = weight.shape
+    if weight.dtype != torch.float32 or k % _BLOCK:
+        return None
+    blocks = weight.reshape(-1, _BLOCK)
+    # The first blocks first: where no form rebuilds one of them, the weight is no code (a model's own float32 weights
+    # end here); else the forms that rebuilt them are tried first, as a weight is mostly in one form.
+    first = {form: _rebuild(blocks[:256], *form)[3] for form in _FORMS}
+    if not bool(torch.stack(list(first.values())).any(0).all()):
+        return None
+    forms = sorted(_FORMS, key=lambda form: not bool(first[form].all()))
+    q, d, low, exact = _rebuild(blocks, *forms[0])
+    for form in forms[1:]:
+        if bool(exact.all()):
+            break
+        left = ~exact  # the blocks no form has rebuilt yet
+        q[left], d[left], low[left], exact[left] = _rebuild(blocks[left], *form)
+    if not bool(exact.all()):
+        return None
+    return q.to(torch.int8).reshape(rows, k), d.reshape(rows, -1), low.reshape(rows, -1)
+
+
+def _rebuild(
+    values: torch.Tensor, levels: int, offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes q [blocks, 32], scales d and offsets o [blocks] of blocks of values in one of `_FORMS`, and which of the
+    blocks `d * q + o` gives again to the bit."""
+    low, high = torch.aminmax(values, dim=1)
+    if offset:
+        d = ((high - low) / levels).half().float()
+    else:
+        d, low = (torch.maximum(-low, high) / levels).half().float(), torch.zeros_like(low)
+    divisor = torch.where(d > 0, d, 1.0)  # a block of one value (d 0) has codes 0
+    q = (values - low[:, None]).div_(divisor[:, None]).round_().clamp_(-127, 127)
+    rebuilt = torch.addcmul(low[:, None], d[:, None], q)
+    exact = torch.ones_like(d, dtype=torch.bool) if torch.equal(rebuilt, values) else (rebuilt == values).all(1)
+    return q, d, low, exact
+
+
+def _panels(part: torch.Tensor) -> torch.Tensor:
+    """Lay out a per-row tensor [n, columns] as the C kernel's panels [n / 16][columns][16] (zeros past n)."""
+    rows, columns = part.shape
+    padded = part.new_zeros(((rows + 15) // 16 * 16, columns))
+    padded[:rows] = part
+    return padded.reshape(-1, 16, columns).transpose(1, 2).contiguous()
 
 
 def prepack_linear_weights(model: torch.nn.Module) -> int:
@@ -108,7 +196,21 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:  # not subclasses: quantized layers keep their own
-                setattr(parent, name, packed.setdefault(id(child), PackedLinear(child)))
+                if id(child) not in packed:
+                    packed[id(child)] = PackedLinear(child)
+                setattr(parent, name, packed[id(child)])
+    codes = [layer for layer in packed.values() if "codes" in layer.layout]
+    if codes:
+        held = sum(part.nbytes for layer in codes for part in layer.layout.values())
+        floats = sum(layer.in_features * layer.out_features * 4 for layer in codes)
+        _log.info(
+            "%d of %d linear layers are held as int8 codes, their float32 weights being exactly GGUF blocks "
+            "(%.0f MB instead of %.0f)",
+            len(codes),
+            len(packed),
+            held / 1e6,
+            floats / 1e6,
+        )
     return len(packed)
 
 
@@ -153,9 +255,8 @@ def _kernel() -> ctypes.CDLL | None:
         except (OSError, subprocess.CalledProcessError) as error:
             why = f"building it failed ({cpu_attention.first_line(error)})"
         else:
-            pointer, size = ctypes.c_void_p, ctypes.c_int64
-            library.prefixgate_pack_linear.argtypes = [pointer, size, size, pointer]
-            library.prefixgate_linear.argtypes = [pointer, size, size, pointer, size, pointer, pointer]
+            pointer = ctypes.c_void_p
+            library.prefixgate_linear.argtypes = [ctypes.POINTER(_Weight), pointer, ctypes.c_int64, pointer]
             _log.info("float32 linear layers run on the C kernel (AVX2 float32)")
             return library
     _log.info("float32 linear layers are prepacked for oneDNN: the C kernel %s", why)

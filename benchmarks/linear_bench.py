@@ -1,11 +1,13 @@
-"""A step's linear layers, alone: float32 on the C kernel's layout against oneDNN's, SmolLM2's 211 layers.
+"""A step's linear layers, alone: float32 on the C kernel's layouts against oneDNN's, SmolLM2's 211 layers.
 
-Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about half a minute). SmolLM2's linear layers in float32
-(its 30 layers' projections and MLPs, and the output projection), each packed both ways (`backends/cpu_linear.c`, and
-oneDNN's layout as `packed_linear` makes it where the kernel does not build), are run one after another on random rows,
-as a step runs them: the weights, 540 MB, come from memory each time. It prints the median time of all 211 for each
-row count, the two layouts taking turns, and what reading the weights once takes (a sum over a tensor of their size).
-Where the kernel does not build (it needs AVX2, FMA and a C compiler), it says so and stops.
+Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about a minute). SmolLM2's linear layers in float32 (its 30
+layers' projections and MLPs, and the output projection), each packed three ways, are run one after another on random
+rows, as a step runs them: the weights come from memory each time. The ways: the C kernel's code panels (the weights
+are the embedded GGUF's Q4_1 and Q8_0 blocks, held as int8 codes and rebuilt exactly as they are read, 170 MB;
+`backends/cpu_linear.c`), its float panels (540 MB), and oneDNN's layout as `packed_linear` makes it where the kernel
+does not build. It prints the median time of all 211 for each row count, the three taking turns, and what reading the
+float weights once takes (a sum over a tensor of their size). Where the kernel does not build (it needs AVX2, FMA and
+a C compiler), it says so and stops.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def main() -> None:
         return
     backend = HFBackend.load("smollm2-135m", dtype="float32", prepack_weights=False, compile_steps=False)
     plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
-    kernel = [PackedLinear(linear) for linear in plain]
+    codes = [PackedLinear(linear) for linear in plain]
+    floats = [PackedLinear(linear, codes=False) for linear in plain]
     real = packed_linear._kernel
     packed_linear._kernel = lambda: None  # type: ignore[assignment]  # packs for oneDNN
     try:
@@ -52,7 +55,9 @@ def main() -> None:
     weights = torch.ones(sum(linear.weight.numel() for linear in plain))  # written, so its pages are its own
     print(
         f"SmolLM2-135M-Instruct's {len(plain)} linear layers, float32, {torch.get_num_threads()} threads; "
-        f"{weights.numel() * 4 / 1e6:.0f} MB of weights; the median of {ROUNDS} rounds\n"
+        f"{weights.numel() * 4 / 1e6:.0f} MB of float weights; {sum('codes' in layer.layout for layer in codes)} "
+        f"layers held as codes, {sum(part.nbytes for layer in codes for part in layer.layout.values()) / 1e6:.0f} MB; "
+        f"the median of {ROUNDS} rounds\n"
     )
     rows = []
     with torch.inference_mode():
@@ -64,11 +69,9 @@ def main() -> None:
                 for layer in layers:
                     layer(inputs[layer.in_features])
 
-            ours, theirs = median_ms([lambda: run(kernel), lambda: run(onednn)])
-            rows.append(
-                [str(count), f"{ours:.1f} ms", f"{theirs:.1f} ms", f"{theirs / ours:.2f}x", f"{reading:.1f} ms"]
-            )
-    table(["rows", "C kernel", "oneDNN's layout", "speed-up", "reading the weights"], rows)
+            times = median_ms([lambda: run(codes), lambda: run(floats), lambda: run(onednn)])
+            rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
+    table(["rows", "C kernel, codes", "C kernel, floats", "oneDNN's layout", "reading the float weights"], rows)
     backend.close()
 
 

@@ -7,12 +7,14 @@ import copy
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 from transformers import PreTrainedModel
 
 from prefixgate.backends import HFBackend, SamplingParams, cpu_attention, packed_linear
-from prefixgate.backends.packed_linear import PackedLinear, applies, packs, prepack_linear_weights
+from prefixgate.backends.packed_linear import PackedLinear, applies, block_codes, packs, prepack_linear_weights
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
@@ -51,13 +53,73 @@ def test_float32_layers_run_on_the_c_kernel_where_it_builds_and_on_onednn_where_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     linear = torch.nn.Linear(64, 48)
-    assert PackedLinear(linear).panels is not None
+    assert PackedLinear(linear).layout.keys() == {"panels", "bias"}
     monkeypatch.setattr(packed_linear, "_kernel", lambda: None)
     onednn = PackedLinear(linear)
-    assert onednn.panels is None
+    assert onednn.described is None and not onednn.layout
     x = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(onednn(x), linear(x), atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
+
+
+GGUF_BLOCKS = [
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0,
+]
+
+
+def gguf_weight(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as transformers loads a GGUF file's weight of `qtype`: gguf's own quantizer and dequantizer
+    (what made the embedded model's file, and what reads it)."""
+    weight = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(weight, qtype), qtype)))
+
+
+@needs_float32_kernel
+@pytest.mark.parametrize("rows", [1, 7, 65])
+@pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
+def test_a_gguf_block_weight_is_held_as_codes_and_gives_the_float_panels_products_to_the_bit(
+    qtype: GGMLQuantizationType, rows: int
+) -> None:
+    linear = torch.nn.Linear(160, 37)  # 37 output features: the last panel is partial
+    linear.weight.data = gguf_weight((37, 160), qtype)
+    codes, floats = PackedLinear(linear), PackedLinear(linear, codes=False)
+    assert codes.layout["codes"].dtype == torch.int8 and "panels" not in codes.layout
+    assert "panels" in floats.layout
+    x = torch.randn(2, rows, 160)
+    with torch.inference_mode():
+        out = codes(x)
+        assert torch.equal(out, floats(x))
+        expected = linear(x)
+    torch.testing.assert_close(out, expected, atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
+
+
+def test_block_codes_rebuild_every_block_exactly_in_whichever_form_it_has() -> None:
+    # 320 blocks of Q4_1 (past the first 256, which choose the order forms are tried in), then 4 rows of each form
+    weight = torch.cat(
+        [gguf_weight((160, 64), GGMLQuantizationType.Q4_1)] + [gguf_weight((4, 64), q) for q in GGUF_BLOCKS]
+    )
+    found = block_codes(weight)
+    assert found is not None
+    q, d, o = found
+    assert q.dtype == torch.int8 and q.shape == weight.shape and d.shape == o.shape == (180, 2)
+    assert torch.equal(d, d.half().float())  # so d q is exact in float32, and the kernel's FMA rounds once
+    assert torch.equal(d.repeat_interleave(32, 1) * q + o.repeat_interleave(32, 1), weight)
+    assert block_codes(torch.zeros(4, 64)) is not None  # blocks of one value
+
+
+def test_weights_that_are_not_exactly_gguf_blocks_are_not_codes() -> None:
+    weight = gguf_weight((160, 64), GGMLQuantizationType.Q4_1)
+    for row in (3, 150):  # among the first 256 blocks, and past them
+        off = weight.clone()
+        off[row, 40] = torch.nextafter(off[row, 40], torch.tensor(1.0))
+        assert block_codes(off) is None
+    assert block_codes(torch.randn(64, 64)) is None  # a model's own float32 weight
+    assert block_codes(torch.zeros(4, 48)) is None  # no whole blocks of 32
+    assert block_codes(weight.double()) is None
 
 
 def test_where_the_float32_kernel_cannot_be_built_the_log_says_why(

@@ -17,11 +17,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from prefixgate.backends import EMBEDDED_MODEL, HFBackend, SamplingParams, StepRecord, TokenChunk, resolve_model
+from prefixgate.backends import (
+    EMBEDDED_MODEL,
+    HFBackend,
+    SamplingParams,
+    StepRecord,
+    TokenChunk,
+    packed_linear,
+    resolve_model,
+)
 from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.backends.model_resolver import embedded_gguf_path
 from prefixgate.backends.model_runner import StepInput
-from prefixgate.backends.packed_linear import packs
+from prefixgate.backends.packed_linear import PackedLinear, packs
 from tests.backends.streams import BlockSink, collect
 from tests.backends.test_compiled_steps import attention_calls
 from tests.backends.test_shared_prefix import start_shared
@@ -94,6 +102,18 @@ async def test_it_knows_the_capital_of_france(smollm2: HFBackend) -> None:
     prompt = smollm2.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     result = await collect(smollm2, prompt, params=ANSWER)
     assert "Paris" in result.text
+
+
+@pytest.mark.skipif(
+    not packs(torch.float32) or packed_linear._kernel() is None,
+    reason="float32 linear layers run on the C kernel on AMD's x86 CPUs where it builds (AVX2, FMA, a C compiler)",
+)
+def test_its_linear_weights_are_held_as_the_int8_codes_of_its_gguf_blocks(smollm2: HFBackend) -> None:
+    # The embedded file's Q4_1 and Q8_0 blocks, which transformers loads as float32: the C kernel rebuilds each weight
+    # to the bit as it reads it (tests/backends/test_packed_linear.py), from a third of the bytes.
+    layers = {id(m): m for m in smollm2._runner.model.modules() if isinstance(m, PackedLinear)}
+    assert len(layers) == smollm2.prepacked == 211
+    assert all(layer.layout["codes"].dtype == torch.int8 for layer in layers.values())
 
 
 @pytest.mark.skipif(

@@ -12,7 +12,8 @@
    instead: panels of 16 int8 codes per value of k, and for each 32 values of k the 16 columns' d and o. Each chunk is
    rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to the
    bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes come
-   from memory. */
+   from memory. Where at most 6 rows of x meet it (a decode step of a few streams), each value is rebuilt in registers
+   as the rows meet it instead, the same sums without the buffer (1 to 4 rows: about a fifth faster). */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -79,6 +80,53 @@ static void decode(const int8_t *codes, const float *scales, const float *offset
     }
 }
 
+/* product() for at most 6 rows meeting a chunk of code panel directly: each row of the chunk is rebuilt in registers
+   as decode() rebuilds it, so the sums are the same to the bit, without a trip through a buffer. */
+static inline __attribute__((always_inline)) void coded_product(const float *a, int64_t lda, const int8_t *codes,
+                                                                const float *scales, const float *offsets,
+                                                                int64_t depth, float *c, int add, const int rows,
+                                                                const char *next, int64_t lines) {
+    __m256 acc[6][2];
+    for (int r = 0; r < rows; r++) {
+        acc[r][0] = add ? _mm256_loadu_ps(c + r * 16) : _mm256_setzero_ps();
+        acc[r][1] = add ? _mm256_loadu_ps(c + r * 16 + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
+        const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+        for (int64_t i = i0; i < i0 + BLOCK; i++) {
+            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
+            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
+            const __m256 b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d0, o0);
+            const __m256 b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))), d1, o1);
+            for (int r = 0; r < rows; r++) {
+                const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
+                acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(c + r * 16, acc[r][0]);
+        _mm256_storeu_ps(c + r * 16 + 8, acc[r][1]);
+    }
+}
+
+/* A chunk of code panel met by `count` rows of x, at most 6. */
+static void coded_chunk(const float *x, int64_t k, int64_t count, const int8_t *codes, const float *scales,
+                        const float *offsets, int64_t depth, float *c, int add, const char *next, int64_t lines) {
+    switch (count) {
+    case 6: coded_product(x, k, codes, scales, offsets, depth, c, add, 6, next, lines); break;
+    case 5: coded_product(x, k, codes, scales, offsets, depth, c, add, 5, next, lines); break;
+    case 4: coded_product(x, k, codes, scales, offsets, depth, c, add, 4, next, lines); break;
+    case 3: coded_product(x, k, codes, scales, offsets, depth, c, add, 3, next, lines); break;
+    case 2: coded_product(x, k, codes, scales, offsets, depth, c, add, 2, next, lines); break;
+    case 1: coded_product(x, k, codes, scales, offsets, depth, c, add, 1, next, lines); break;
+    default: break;
+    }
+}
+
 /* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
    to 16), or code panels of the same shape with their scales and offsets [n / 16][k / BLOCK][16] (k a multiple of
    BLOCK); the pointers not used, and a missing bias, are NULL. */
@@ -103,15 +151,19 @@ void prefixgate_linear(const struct prefixgate_linear_weight *w, const float *x,
             const char *panel = w->codes ? (const char *)(w->codes + p * k * 16) : (const char *)(w->panels + p * k * 16);
             for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
                 const int64_t depth = k - k0 < CHUNK ? k - k0 : CHUNK;
-                if (w->codes) {
-                    const int64_t block = (p * k + k0) / BLOCK * 16;
-                    decode(w->codes + (p * k + k0) * 16, w->scales + block, w->offsets + block, depth, decoded);
-                }
-                const float *b = w->codes ? decoded : w->panels + (p * k + k0) * 16;
                 /* the next chunk, or the next panel's first: panels lie one after the other */
                 const char *next = panel + (k0 + depth) * 16 * width;
                 const int64_t lines = p + 1 < count || k0 + depth < k ? depth * width / 4 : 0;
-                chunk(x + g * k + k0, k, rows, b, depth, c, k0 > 0, next, lines);
+                const int64_t block = (p * k + k0) / BLOCK * 16;
+                const int8_t *codes = w->codes ? w->codes + (p * k + k0) * 16 : NULL;
+                if (codes && rows <= 6) {
+                    coded_chunk(x + g * k + k0, k, rows, codes, w->scales + block, w->offsets + block, depth, c,
+                                k0 > 0, next, lines);
+                    continue;
+                }
+                if (codes) decode(codes, w->scales + block, w->offsets + block, depth, decoded);
+                chunk(x + g * k + k0, k, rows, codes ? decoded : w->panels + (p * k + k0) * 16, depth, c, k0 > 0,
+                      next, lines);
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
             for (int64_t r = 0; r < rows; r++) {

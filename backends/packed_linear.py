@@ -109,12 +109,12 @@ def _packed_linear(x: torch.Tensor, number: int) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         return out
     assert x.dtype == torch.float32, "the C kernel packed this layer's float32 weight"  # it reads x as float32
-    rows = x.reshape(-1, layer.in_features).contiguous()
-    result = rows.new_empty((rows.shape[0], layer.out_features))
+    x = x.contiguous()  # [..., in_features], read as rows
+    result = x.new_empty((*x.shape[:-1], layer.out_features))
     kernel = _kernel()
     assert kernel is not None  # it packed the layer
-    kernel.prefixgate_linear(layer.described, rows.data_ptr(), rows.shape[0], result.data_ptr())
-    return result.view(*x.shape[:-1], layer.out_features)
+    kernel.prefixgate_linear(layer.described, x.data_ptr(), x.numel() // layer.in_features, result.data_ptr())
+    return result
 
 
 _OPS.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]

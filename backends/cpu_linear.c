@@ -23,29 +23,38 @@
 #define GROUP 64        /* rows of x a panel meets in one pass: its partial outputs are 64 by 16 floats */
 #define BLOCK 32        /* values of k sharing a code's d and o */
 
+/* The accumulators of up to 6 rows by 16 columns: started from c (where `add`) or zero, and written back to c. */
+#define ACC_START(acc, c, add, rows)                                                          \
+    for (int r = 0; r < (rows); r++) {                                                        \
+        acc[r][0] = (add) ? _mm256_loadu_ps((c) + r * 16) : _mm256_setzero_ps();              \
+        acc[r][1] = (add) ? _mm256_loadu_ps((c) + r * 16 + 8) : _mm256_setzero_ps();          \
+    }
+#define ACC_FINISH(acc, c, rows)                                                              \
+    for (int r = 0; r < (rows); r++) {                                                        \
+        _mm256_storeu_ps((c) + r * 16, acc[r][0]);                                            \
+        _mm256_storeu_ps((c) + r * 16 + 8, acc[r][1]);                                        \
+    }
+/* Every row meets value i of the 16 columns (b0, b1). */
+#define ACC_MEET(acc, a, lda, i, b0, b1, rows)                                                \
+    for (int r = 0; r < (rows); r++) {                                                        \
+        const __m256 x = _mm256_broadcast_ss((a) + r * (lda) + (i));                         \
+        acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);                                        \
+        acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);                                        \
+    }
+
 /* c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16] (rows at most 6; a's rows `lda` apart, b's rows 16
    floats), asking for `lines` lines (64 bytes) of `next`, one a step. */
 static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const float *b, int64_t depth,
                                                           float *c, int add, const int rows, const char *next,
                                                           int64_t lines) {
     __m256 acc[6][2];
-    for (int r = 0; r < rows; r++) {
-        acc[r][0] = add ? _mm256_loadu_ps(c + r * 16) : _mm256_setzero_ps();
-        acc[r][1] = add ? _mm256_loadu_ps(c + r * 16 + 8) : _mm256_setzero_ps();
-    }
+    ACC_START(acc, c, add, rows);
     for (int64_t i = 0; i < depth; i++) {
         if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
         const __m256 b0 = _mm256_loadu_ps(b + i * 16), b1 = _mm256_loadu_ps(b + i * 16 + 8);
-        for (int r = 0; r < rows; r++) {
-            const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
-            acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-        }
+        ACC_MEET(acc, a, lda, i, b0, b1, rows);
     }
-    for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(c + r * 16, acc[r][0]);
-        _mm256_storeu_ps(c + r * 16 + 8, acc[r][1]);
-    }
+    ACC_FINISH(acc, c, rows);
 }
 
 /* One chunk of a panel met by `count` rows of x (at most GROUP), the first of them fetching `lines` of `next`. */
@@ -87,10 +96,7 @@ static inline __attribute__((always_inline)) void coded_product(const float *a, 
                                                                 int64_t depth, float *c, int add, const int rows,
                                                                 const char *next, int64_t lines) {
     __m256 acc[6][2];
-    for (int r = 0; r < rows; r++) {
-        acc[r][0] = add ? _mm256_loadu_ps(c + r * 16) : _mm256_setzero_ps();
-        acc[r][1] = add ? _mm256_loadu_ps(c + r * 16 + 8) : _mm256_setzero_ps();
-    }
+    ACC_START(acc, c, add, rows);
     for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
         const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
         const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
@@ -100,17 +106,10 @@ static inline __attribute__((always_inline)) void coded_product(const float *a, 
             const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
             const __m256 b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d0, o0);
             const __m256 b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))), d1, o1);
-            for (int r = 0; r < rows; r++) {
-                const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
-                acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-            }
+            ACC_MEET(acc, a, lda, i, b0, b1, rows);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(c + r * 16, acc[r][0]);
-        _mm256_storeu_ps(c + r * 16 + 8, acc[r][1]);
-    }
+    ACC_FINISH(acc, c, rows);
 }
 
 /* A chunk of code panel met by `count` rows of x, at most 6. */

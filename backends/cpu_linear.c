@@ -1,19 +1,20 @@
 /* float32 linear layers on x86 CPUs with AVX2 and FMA: see packed_linear.py.
 
-   A weight [n, k] is packed once (by packed_linear.py) into panels of 16 output columns, each k rows of 16 floats (the
-   weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of x: k in chunks of
-   128 rows of the panel (8 KiB, held in the nearest cache while every 6 rows of x meet it), each 6 rows in 12
-   accumulators (6 rows by two vectors of 8), the partial outputs kept in a small buffer between chunks. While the
-   first rows meet a chunk, the next chunk's lines are asked for, one a step, so the weight streams from memory as the
-   products run. Each output is summed over k in the same order whatever the rows beside it.
+   A weight [n, k] is packed once (by packed_linear.py) into panels of 16 output columns, each k rows of 16 floats
+   (the weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of
+   x: k in chunks of 128 rows of the panel (8 KiB, held in the nearest cache while every 6 rows of x meet it), each 6
+   rows in 12 accumulators (6 rows by two vectors of 8), the partial outputs kept in a small buffer between chunks.
+   While the first rows meet a chunk, the next chunk's lines are asked for, one a step, so the weight streams from
+   memory as the products run. Each output is summed over k in the same order whatever the rows beside it.
 
    A weight that is exactly a block code (w = d q + o for each 32 values of k along a row, q a small integer, d a
    half-precision number: what a GGUF file's Q4_1 or Q8_0 weights become as float32) may be packed as its codes
-   instead: panels of 16 int8 codes per value of k, and for each 32 values of k the 16 columns' d and o. Each chunk is
-   rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to the
-   bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes come
-   from memory. Where at most 6 rows of x meet it (a decode step of a few streams), each value is rebuilt in registers
-   as the rows meet it instead, the same sums without the buffer (1 to 4 rows: about a fifth faster). */
+   instead: panels of 16 codes per value of k (int8, or where every code is 0 to 15 two to a byte, column j in the low
+   half of byte j and column j + 8 in the high half), and for each 32 values of k the 16 columns' d and o. Each chunk
+   is rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to
+   the bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes,
+   or less, come from memory. Where at most 6 rows of x meet it (a decode step of a few streams), each value is
+   rebuilt in registers as the rows meet it instead, the same sums without the buffer. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -72,19 +73,36 @@ static void chunk(const float *x, int64_t k, int64_t count, const float *b, int6
     }
 }
 
+/* The 16 columns' values at row i of a code panel (`half`: two codes to a byte), with the d and o of its block. */
+static inline __attribute__((always_inline)) void rebuild(const int8_t *codes, const int half, int64_t i, __m256 d0,
+                                                          __m256 d1, __m256 o0, __m256 o1, __m256 *b0, __m256 *b1) {
+    __m256i q0, q1;
+    if (half) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i * 8)));
+        q0 = _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+        q1 = _mm256_srli_epi32(bytes, 4);
+    } else {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
+        q0 = _mm256_cvtepi8_epi32(q);
+        q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q));
+    }
+    *b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), d0, o0);
+    *b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, o1);
+}
+
 /* b[depth x 16] = the floats of `depth` rows of code panel (depth a multiple of BLOCK), their d and o `scales` and
    `offsets` (16 each per BLOCK rows). */
-static void decode(const int8_t *codes, const float *scales, const float *offsets, int64_t depth, float *b) {
+static inline __attribute__((always_inline)) void decode(const int8_t *codes, const int half, const float *scales,
+                                                         const float *offsets, int64_t depth, float *b) {
     for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
         const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
         const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
         const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         for (int64_t i = i0; i < i0 + BLOCK; i++) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
-            _mm256_store_ps(b + i * 16, _mm256_fmadd_ps(q0, d0, o0));
-            _mm256_store_ps(b + i * 16 + 8, _mm256_fmadd_ps(q1, d1, o1));
+            __m256 b0, b1;
+            rebuild(codes, half, i, d0, d1, o0, o1, &b0, &b1);
+            _mm256_store_ps(b + i * 16, b0);
+            _mm256_store_ps(b + i * 16 + 8, b1);
         }
     }
 }
@@ -92,9 +110,9 @@ static void decode(const int8_t *codes, const float *scales, const float *offset
 /* product() for at most 6 rows meeting a chunk of code panel directly: each row of the chunk is rebuilt in registers
    as decode() rebuilds it, so the sums are the same to the bit, without a trip through a buffer. */
 static inline __attribute__((always_inline)) void coded_product(const float *a, int64_t lda, const int8_t *codes,
-                                                                const float *scales, const float *offsets,
-                                                                int64_t depth, float *c, int add, const int rows,
-                                                                const char *next, int64_t lines) {
+                                                                const int half, const float *scales,
+                                                                const float *offsets, int64_t depth, float *c, int add,
+                                                                const int rows, const char *next, int64_t lines) {
     __m256 acc[6][2];
     ACC_START(acc, c, add, rows);
     for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
@@ -103,36 +121,38 @@ static inline __attribute__((always_inline)) void coded_product(const float *a, 
         const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         for (int64_t i = i0; i < i0 + BLOCK; i++) {
             if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + i * 16));
-            const __m256 b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d0, o0);
-            const __m256 b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))), d1, o1);
+            __m256 b0, b1;
+            rebuild(codes, half, i, d0, d1, o0, o1, &b0, &b1);
             ACC_MEET(acc, a, lda, i, b0, b1, rows);
         }
     }
     ACC_FINISH(acc, c, rows);
 }
 
-/* A chunk of code panel met by `count` rows of x, at most 6. */
-static void coded_chunk(const float *x, int64_t k, int64_t count, const int8_t *codes, const float *scales,
-                        const float *offsets, int64_t depth, float *c, int add, const char *next, int64_t lines) {
+/* A chunk of code panel met by `count` rows of x, at most 6 (`half` a constant where it is inlined). */
+static inline __attribute__((always_inline)) void coded_chunk(const float *x, int64_t k, int64_t count,
+                                                              const int8_t *codes, const int half, const float *scales,
+                                                              const float *offsets, int64_t depth, float *c, int add,
+                                                              const char *next, int64_t lines) {
     switch (count) {
-    case 6: coded_product(x, k, codes, scales, offsets, depth, c, add, 6, next, lines); break;
-    case 5: coded_product(x, k, codes, scales, offsets, depth, c, add, 5, next, lines); break;
-    case 4: coded_product(x, k, codes, scales, offsets, depth, c, add, 4, next, lines); break;
-    case 3: coded_product(x, k, codes, scales, offsets, depth, c, add, 3, next, lines); break;
-    case 2: coded_product(x, k, codes, scales, offsets, depth, c, add, 2, next, lines); break;
-    case 1: coded_product(x, k, codes, scales, offsets, depth, c, add, 1, next, lines); break;
+    case 6: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 6, next, lines); break;
+    case 5: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 5, next, lines); break;
+    case 4: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 4, next, lines); break;
+    case 3: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 3, next, lines); break;
+    case 2: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 2, next, lines); break;
+    case 1: coded_product(x, k, codes, half, scales, offsets, depth, c, add, 1, next, lines); break;
     default: break;
     }
 }
 
 /* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
-   to 16), or code panels of the same shape with their scales and offsets [n / 16][k / BLOCK][16] (k a multiple of
-   BLOCK); the pointers not used, and a missing bias, are NULL. */
+   to 16), or code panels [n / 16][k][16] of `bits` 8 or 4 (then [n / 16][k][8] bytes) with their scales and offsets
+   [n / 16][k / BLOCK][16] (k a multiple of BLOCK); the pointers not used, and a missing bias, are NULL. */
 struct prefixgate_linear_weight {
     int64_t n, k;
     const float *panels;
     const int8_t *codes;
+    int64_t bits;
     const float *scales, *offsets;
     const float *bias;
 };
@@ -140,29 +160,37 @@ struct prefixgate_linear_weight {
 /* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous. Panels are shared out among the threads. */
 void prefixgate_linear(const struct prefixgate_linear_weight *w, const float *x, int64_t m, float *y) {
     const int64_t n = w->n, k = w->k, count = (n + 15) / 16;
-    const int64_t width = w->codes ? 1 : 4; /* bytes a value of a panel takes */
+    const int64_t stride = w->codes ? w->bits * 2 : 64; /* bytes a row of a panel (16 values of one k) takes */
+    const int half = w->codes && w->bits == 4;
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < count; p++) {
             float c[GROUP * 16] __attribute__((aligned(64)));
             float decoded[CHUNK * 16] __attribute__((aligned(64)));
-            const char *panel = w->codes ? (const char *)(w->codes + p * k * 16) : (const char *)(w->panels + p * k * 16);
+            const char *panel = (w->codes ? (const char *)w->codes : (const char *)w->panels) + p * k * stride;
             for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
                 const int64_t depth = k - k0 < CHUNK ? k - k0 : CHUNK;
                 /* the next chunk, or the next panel's first: panels lie one after the other */
-                const char *next = panel + (k0 + depth) * 16 * width;
-                const int64_t lines = p + 1 < count || k0 + depth < k ? depth * width / 4 : 0;
-                const int64_t block = (p * k + k0) / BLOCK * 16;
-                const int8_t *codes = w->codes ? w->codes + (p * k + k0) * 16 : NULL;
-                if (codes && rows <= 6) {
-                    coded_chunk(x + g * k + k0, k, rows, codes, w->scales + block, w->offsets + block, depth, c,
-                                k0 > 0, next, lines);
+                const char *next = panel + (k0 + depth) * stride;
+                const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
+                const float *xs = x + g * k + k0;
+                if (!w->codes) {
+                    chunk(xs, k, rows, (const float *)panel + k0 * 16, depth, c, k0 > 0, next, lines);
                     continue;
                 }
-                if (codes) decode(codes, w->scales + block, w->offsets + block, depth, decoded);
-                chunk(x + g * k + k0, k, rows, codes ? decoded : w->panels + (p * k + k0) * 16, depth, c, k0 > 0,
-                      next, lines);
+                const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
+                const float *scales = w->scales + block, *offsets = w->offsets + block;
+                const int8_t *codes = (const int8_t *)panel + k0 * stride;
+                if (rows <= 6 && half)
+                    coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
+                else if (rows <= 6)
+                    coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
+                else {
+                    if (half) decode(codes, 1, scales, offsets, depth, decoded);
+                    else decode(codes, 0, scales, offsets, depth, decoded);
+                    chunk(xs, k, rows, decoded, depth, c, k0 > 0, next, lines);
+                }
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
             for (int64_t r = 0; r < rows; r++) {

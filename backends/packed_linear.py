@@ -19,10 +19,11 @@ against 1003 (benchmarks/linear_bench.py).
 
 A float32 weight that is exactly GGUF blocks (a GGUF model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights as transformers
 loads them, each 32 values along a row d q + o, d a half-precision number and q a small integer; `block_codes`) goes
-to the C kernel as its int8 codes with each block's d and o, 1.25 bytes a weight instead of 4, and the kernel rebuilds
-each piece of the weight to the bit as it reads it: the products are those of its float layout, bit for bit. The
-embedded SmolLM2's 211 layers are all such (Q4_1 and Q8_0: 168 MB instead of 538), and the decode step reads a third
-of the bytes (see README, "The model's dtype").
+to the C kernel as its codes, two to a byte where they are 0 to 15 (as Q4_1's are) and int8 otherwise, with each
+block's d and o: 0.75 or 1.25 bytes a weight instead of 4. The kernel rebuilds each piece of the weight to the bit as
+it reads it, so the products are those of its float layout, bit for bit. The embedded SmolLM2's 211 layers are all
+such (Q4_1 and Q8_0: 115 MB instead of 538), and its decode step reads a fifth of the bytes (see README, "The model's
+dtype").
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _NUMBERS = itertools.count()
 
 class PackedLinear(torch.nn.Module):
     """A bias-optional linear layer computed from a weight laid out once: by the C kernel in float32 where it builds
-    (as int8 codes where the weight is exactly one, see `block_codes`), by oneDNN otherwise."""
+    (as codes where the weight is exactly codes, see `block_codes`), by oneDNN otherwise."""
 
     def __init__(self, linear: torch.nn.Linear, *, codes: bool = True) -> None:
         """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows."""
@@ -71,10 +72,13 @@ class PackedLinear(torch.nn.Module):
                 found = block_codes(weight) if codes else None
                 parts = zip(("codes", "scales", "offsets"), found, strict=True) if found else [("panels", weight)]
                 self.layout = {name: _panels(part) for name, part in parts}
+                bits = 0
+                if found:
+                    self.layout["codes"], bits = _halves(self.layout["codes"])
                 if self.bias is not None:
                     self.layout["bias"] = self.bias.detach().contiguous()
                 pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-                self.described = ctypes.pointer(_Weight(n=self.out_features, k=self.in_features, **pointers))
+                self.described = ctypes.pointer(_Weight(n=self.out_features, k=self.in_features, bits=bits, **pointers))
         self.number = next(_NUMBERS)
         _LAYERS[self.number] = self
 
@@ -92,6 +96,7 @@ class _Weight(ctypes.Structure):
         ("k", ctypes.c_int64),
         ("panels", ctypes.c_void_p),
         ("codes", ctypes.c_void_p),
+        ("bits", ctypes.c_int64),
         ("scales", ctypes.c_void_p),
         ("offsets", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
@@ -176,6 +181,15 @@ def _rebuild(
     return q, d, low, exact
 
 
+def _halves(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Code panels [n / 16][k][16] as the C kernel reads them, and their bits: two to a byte where every code is 0 to 15
+    (Q4_1's; [n / 16][k][8], column j in the low half of byte j and column j + 8 in the high half), else int8."""
+    if int(codes.min()) < 0 or int(codes.max()) > 15:
+        return codes, 8
+    low, high = codes[..., :8].to(torch.uint8), codes[..., 8:].to(torch.uint8)
+    return (low | high << 4).contiguous(), 4
+
+
 def _panels(part: torch.Tensor) -> torch.Tensor:
     """Lay out a per-row tensor [n, columns] as the C kernel's panels [n / 16][columns][16] (zeros past n)."""
     rows, columns = part.shape
@@ -204,7 +218,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
         held = sum(part.nbytes for layer in codes for part in layer.layout.values())
         floats = sum(layer.in_features * layer.out_features * 4 for layer in codes)
         _log.info(
-            "%d of %d linear layers are held as int8 codes, their float32 weights being exactly GGUF blocks "
+            "%d of %d linear layers are held as codes, their float32 weights being exactly GGUF blocks "
             "(%.0f MB instead of %.0f)",
             len(codes),
             len(packed),

@@ -3,7 +3,7 @@
 Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about a minute). SmolLM2's linear layers in float32 (its 30
 layers' projections and MLPs, and the output projection), each packed three ways, are run one after another on random
 rows, as a step runs them: the weights come from memory each time. The ways: the C kernel's code panels (the weights
-are the embedded GGUF's Q4_1 and Q8_0 blocks, held as int8 codes and rebuilt exactly as they are read, 170 MB;
+are the embedded GGUF's Q4_1 and Q8_0 blocks, held as their codes and rebuilt exactly as they are read, 115 MB;
 `backends/cpu_linear.c`), its float panels (540 MB), and oneDNN's layout as `packed_linear` makes it where the kernel
 does not build. It prints the median time of all 211 for each row count, the three taking turns, and what reading the
 float weights once takes (a sum over a tensor of their size). Where the kernel does not build (it needs AVX2, FMA and

@@ -61,15 +61,21 @@ static inline __attribute__((always_inline)) void product(const float *a, int64_
 /* One chunk of a panel met by `count` rows of x (at most GROUP), the first of them fetching `lines` of `next`. */
 static void chunk(const float *x, int64_t k, int64_t count, const float *b, int64_t depth, float *c, int add,
                   const char *next, int64_t lines) {
-    int64_t r = 0;
-    for (; r + 6 <= count; r += 6, lines = 0) product(x + r * k, k, b, depth, c + r * 16, add, 6, next, lines);
-    switch (count - r) {
-    case 5: product(x + r * k, k, b, depth, c + r * 16, add, 5, next, lines); break;
-    case 4: product(x + r * k, k, b, depth, c + r * 16, add, 4, next, lines); break;
-    case 3: product(x + r * k, k, b, depth, c + r * 16, add, 3, next, lines); break;
-    case 2: product(x + r * k, k, b, depth, c + r * 16, add, 2, next, lines); break;
-    case 1: product(x + r * k, k, b, depth, c + r * 16, add, 1, next, lines); break;
-    default: break;
+    /* blocks of rows as even as 6 at most allows (8 rows: 4 and 4, not 6 and 2, whose 4 accumulators wait on the
+       FMAs' latency) */
+    const int64_t blocks = (count + 5) / 6;
+    for (int64_t i = 0, r = 0; i < blocks; i++, lines = 0) {
+        const int64_t rows = count / blocks + (i < count % blocks);
+        switch (rows) {
+        case 6: product(x + r * k, k, b, depth, c + r * 16, add, 6, next, lines); break;
+        case 5: product(x + r * k, k, b, depth, c + r * 16, add, 5, next, lines); break;
+        case 4: product(x + r * k, k, b, depth, c + r * 16, add, 4, next, lines); break;
+        case 3: product(x + r * k, k, b, depth, c + r * 16, add, 3, next, lines); break;
+        case 2: product(x + r * k, k, b, depth, c + r * 16, add, 2, next, lines); break;
+        case 1: product(x + r * k, k, b, depth, c + r * 16, add, 1, next, lines); break;
+        default: break;
+        }
+        r += rows;
     }
 }
 

@@ -135,6 +135,7 @@ _BLOCK = 32  # values of k sharing a code's scale and offset, as in cpu_linear.c
 # integer. (levels, offset): Q4_1 and Q5_1 span their block's least value to its greatest in 15 or 31 steps of d from
 # o; Q8_0, Q4_0 and Q5_0 have no offset, and the largest magnitude is 127, 8 or 16 steps of d.
 _FORMS = ((15, True), (31, True), (127, False), (8, False), (16, False))
+_SLICE = 2**19  # blocks `block_codes` works on at a time: 64 MiB of float32 values
 
 
 def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -153,15 +154,22 @@ def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if not bool(torch.stack(list(first.values())).any(0).all()):
         return None
     forms = sorted(_FORMS, key=lambda form: not bool(first[form].all()))
-    q, d, low, exact = _rebuild(blocks, *forms[0])
-    for form in forms[1:]:
-        if bool(exact.all()):
-            break
-        left = ~exact  # the blocks no form has rebuilt yet
-        q[left], d[left], low[left], exact[left] = _rebuild(blocks[left], *form)
-    if not bool(exact.all()):
-        return None
-    return q.to(torch.int8).reshape(rows, k), d.reshape(rows, -1), low.reshape(rows, -1)
+    codes = torch.empty(blocks.shape, dtype=torch.int8)
+    scales, offsets = torch.empty(len(blocks)), torch.empty(len(blocks))
+    # A slice of blocks at a time, so that the float32 work held while it runs stays a few times 64 MiB whatever the
+    # layer (a large vocabulary's output projection is gigabytes).
+    for start in range(0, len(blocks), _SLICE):
+        end = start + _SLICE
+        q, d, low, exact = _rebuild(blocks[start:end], *forms[0])
+        for form in forms[1:]:
+            if bool(exact.all()):
+                break
+            left = ~exact  # the blocks no form has rebuilt yet
+            q[left], d[left], low[left], exact[left] = _rebuild(blocks[start:end][left], *form)
+        if not bool(exact.all()):
+            return None
+        codes[start:end], scales[start:end], offsets[start:end] = q, d, low
+    return codes.reshape(rows, k), scales.reshape(rows, -1), offsets.reshape(rows, -1)
 
 
 def _rebuild(

@@ -102,7 +102,11 @@ def test_a_gguf_block_weight_is_held_as_codes_and_gives_the_float_panels_product
     torch.testing.assert_close(out, expected, atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
 
 
-def test_block_codes_rebuild_every_block_exactly_in_whichever_form_it_has() -> None:
+@pytest.mark.parametrize("slice_", [2**19, 100], ids=["one slice", "slices of 100 blocks"])
+def test_block_codes_rebuild_every_block_exactly_in_whichever_form_it_has(
+    slice_: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_linear, "_SLICE", slice_)
     # 320 blocks of Q4_1 (past the first 256, which choose the order forms are tried in), then 4 rows of each form
     weight = torch.cat(
         [gguf_weight((160, 64), GGMLQuantizationType.Q4_1)] + [gguf_weight((4, 64), q) for q in GGUF_BLOCKS]
@@ -116,7 +120,9 @@ def test_block_codes_rebuild_every_block_exactly_in_whichever_form_it_has() -> N
     assert block_codes(torch.zeros(4, 64)) is not None  # blocks of one value
 
 
-def test_weights_that_are_not_exactly_gguf_blocks_are_not_codes() -> None:
+@pytest.mark.parametrize("slice_", [2**19, 100], ids=["one slice", "slices of 100 blocks"])
+def test_weights_that_are_not_exactly_gguf_blocks_are_not_codes(slice_: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "_SLICE", slice_)
     weight = gguf_weight((160, 64), GGMLQuantizationType.Q4_1)
     for row in (3, 150):  # among the first 256 blocks, and past them
         off = weight.clone()

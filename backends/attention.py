@@ -41,7 +41,9 @@ _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions att
 # together whatever their number (5 to 64).
 _MOST_RUNS = 4
 _SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once
-_step = threading.local()  # .batch: the PackedBatch this thread's model runs, inside `packed_step`
+# .batch: the PackedBatch this thread's model runs, inside `packed_step`; .plans: what its layers reuse, by name (the
+# C kernel's plans of its parts, laid out at the first layer; whether the kernel applies)
+_step = threading.local()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +100,11 @@ class PackedBatch:
 @contextmanager
 def packed_step(batch: PackedBatch) -> Iterator[None]:
     """Run the model's attention as this packed step, on this thread, inside the block."""
-    _step.batch = batch
+    _step.batch, _step.plans = batch, {}
     try:
         yield
     finally:
-        _step.batch = None
+        _step.batch, _step.plans = None, {}
 
 
 def packed_attention(
@@ -125,7 +127,15 @@ def packed_attention(
     return torch.ops.prefixgate.attend(query, key, value, layer, float(scale), window, softcap or None), None
 
 
-@torch.library.custom_op("prefixgate::attend", mutates_args=())
+# A plain operator, as `prefixgate::packed_linear` is: `torch.library.custom_op`'s wrapper cost about 7 µs more a call
+# (74 against 81 µs for one decoding request's layer, the two called in turn), and checks nothing this one needs.
+_OPS = torch.library.Library("prefixgate", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define(  # type: ignore[no-untyped-call]
+    "attend(Tensor query, Tensor key, Tensor value, int layer, float scale, int? sliding_window, float? softcap)"
+    " -> Tensor"
+)
+
+
 def _attend_step(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -150,7 +160,7 @@ def _attend_step(
     if batch.shared and (sliding_window is not None or softcap):
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
-    if sliding_window is None and not softcap and cpu_attention.applies(query, batch.segments[0].kv[layer]):
+    if sliding_window is None and not softcap and _kernel_applies(query, batch):
         return _attend_with_kernel(query, key, value, batch, layer, scale)
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs, lses = [], []
@@ -200,16 +210,30 @@ def _attend_with_kernel(
     _, heads, total, head_dim = query.shape
     out = query.new_empty((1, total, heads, head_dim)).transpose(1, 2)  # out: [1, heads, total, head_dim]
     lse = torch.full((1, heads, total), float("-inf"), device=query.device)  # nothing attended yet
-    parts = []
-    for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
-        start = segment.start - segment.offset  # in the segment's own buffer
-        parts.append(cpu_attention.Part(begin, segment.length, segment.kv, layer, start + segment.length, start))
-    cpu_attention.attend_parts(query, parts, scale, out, lse, new=(key, value))
+    plan = _step.plans.get("own")
+    if plan is None:
+        parts = []
+        for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
+            start = segment.start - segment.offset  # in the segment's own buffer
+            parts.append(cpu_attention.Part(begin, segment.length, segment.kv, start + segment.length, start))
+        plan = _step.plans["own"] = cpu_attention.Plan(parts)
+    cpu_attention.attend_parts(query, plan, layer, scale, out, lse, new=(key, value))
     _add_shared_with_kernel(query, out, lse, batch.shared, layer, scale)
     return out.transpose(1, 2)  # contiguous: out was made in this layout
 
 
-@_attend_step.register_fake
+def _kernel_applies(query: torch.Tensor, batch: PackedBatch) -> bool:
+    """Say whether the C kernel attends this step (the same for each of its layers: asked once)."""
+    applies: bool | None = _step.plans.get("applies")
+    if applies is None:
+        applies = _step.plans["applies"] = cpu_attention.applies(query, batch.segments[0].kv[0])
+    return applies
+
+
+_OPS.impl("attend", _attend_step, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("prefixgate::attend")  # type: ignore[untyped-decorator]
 def _(query: torch.Tensor, *rest: object) -> torch.Tensor:
     return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
@@ -322,12 +346,24 @@ def _add_shared_with_kernel(
     scale: float,
 ) -> None:
     """Attend each run of shared positions once for all its readers' queries with the C kernel, merged into their
-    rows of `out` and `lse` in place (views of them when the rows are side by side)."""
-    for readers in shared:
+    rows of `out` and `lse` in place (read and written where they are when the rows are side by side)."""
+    for index, readers in enumerate(shared):
         rows = readers.rows
-        picked, own, own_lse = query[:, :, rows], out[:, :, rows], lse[:, :, rows]
-        for kv in _runs(readers, layer):
-            cpu_attention.attend_into(picked, kv, scale, own, own_lse)
+        if isinstance(rows, slice):
+            first, count, picked, own, own_lse = rows.start, rows.stop - rows.start, query, out, lse
+        else:
+            first, count = 0, len(rows)
+            picked, own, own_lse = query[:, :, rows], out[:, :, rows], lse[:, :, rows]
+        if len(readers.kv) > _MOST_RUNS:  # copied together each layer (see _runs): laid out for this layer alone
+            (kv,) = _runs(readers, layer)
+            plans, at = [cpu_attention.Plan([cpu_attention.Part(first, count, kv.unsqueeze(0), kv.shape[2])])], 0
+        else:
+            plans, at = _step.plans.get(index), layer
+            if plans is None:
+                parts = [[cpu_attention.Part(first, count, run, run.shape[3])] for run in readers.kv]
+                plans = _step.plans[index] = [cpu_attention.Plan(part) for part in parts]
+        for plan in plans:
+            cpu_attention.attend_parts(picked, plan, at, scale, own, own_lse)
         if not isinstance(rows, slice):  # gathered copies: put them back
             out[:, :, rows], lse[:, :, rows] = own, own_lse
 

@@ -94,18 +94,19 @@ static __thread float *thread_parts;      /* the calling thread's items' running
 static __thread int64_t thread_parts_size;
 
 /* One part of a call: query rows [first, first + count) of every query head, attended to their own keys and values
-   ([kv_heads, tokens, d], KV heads `stride` elements apart). With causal_from -1 every row sees every key; otherwise
-   row p sees keys [0, causal_from + p] (a prompt's new tokens after causal_from others). Seven int64 from the caller. */
+   ([kv_heads, tokens, d], KV heads `stride` elements apart; layer 0's at addresses k and v, each next layer's
+   `layer_bytes` further). With causal_from -1 every row sees every key; otherwise row p sees keys [0, causal_from + p]
+   (a prompt's new tokens after causal_from others). Eight int64 from the caller, laid out once for a step's layers. */
 typedef struct {
-    int64_t first, count, k, v, stride, tokens, causal_from;
+    int64_t first, count, k, v, layer_bytes, stride, tokens, causal_from;
 } part_plan;
 
 typedef struct {  /* where a part's work and results are */
     int64_t items, splits, chunks, first_item, parts_at, first_row;
 } part_place;
 
-/* Attend the parts' query rows to their keys and values and merge that, by log-sum-exp, into the attention over other
-   keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and out are
+/* Attend the parts' query rows to their keys and values in layer `layer` and merge that, by log-sum-exp, into the
+   attention over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and out are
    rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements); keys and values
    rows of d contiguous elements. A held lse of -infinity holds nothing: out is then only written. With new_k and
    new_v (the step's new keys and values, placed by their strides, rows as the queries'), a causal part first has its
@@ -116,8 +117,8 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
                             int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const elem *new_k,
                             int64_t new_k_head, int64_t new_k_row, const elem *new_v, int64_t new_v_head,
                             int64_t new_v_row, int64_t kv_heads, int64_t groups, int64_t d, float scale,
-                            int64_t count, const int64_t *plans) {
-    if (d % DIM_MULTIPLE || d > MAX_DIM || groups < 1 || kv_heads < 1 || count < 1) return -1;
+                            int64_t layer, int64_t count, const int64_t *plans) {
+    if (d % DIM_MULTIPLE || d > MAX_DIM || groups < 1 || kv_heads < 1 || count < 1 || layer < 0) return -1;
     const part_plan *plan = (const part_plan *)plans;
     part_place *place = malloc(sizeof(part_place) * count);
     if (!place) return -2;
@@ -172,8 +173,8 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
                 const part_plan *pp = plan + ph / kv_heads;
                 const int64_t h = ph % kv_heads;
                 if (pp->causal_from < 0) continue;
-                elem *k = (elem *)(intptr_t)pp->k + h * pp->stride + pp->causal_from * d;
-                elem *v = (elem *)(intptr_t)pp->v + h * pp->stride + pp->causal_from * d;
+                elem *k = (elem *)(intptr_t)(pp->k + layer * pp->layer_bytes) + h * pp->stride + pp->causal_from * d;
+                elem *v = (elem *)(intptr_t)(pp->v + layer * pp->layer_bytes) + h * pp->stride + pp->causal_from * d;
                 for (int64_t i = 0; i < pp->count; i++) {
                     memcpy(k + i * d, new_k + h * new_k_head + (pp->first + i) * new_k_row, sizeof(elem) * d);
                     memcpy(v + i * d, new_v + h * new_v_head + (pp->first + i) * new_v_row, sizeof(elem) * d);
@@ -192,8 +193,8 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             const int64_t rows = groups * pp->count, stride = rows * (d + 2);
             const int64_t h = (item - at->first_item) / at->splits, split = (item - at->first_item) % at->splits;
             const int64_t first = at->chunks * split / at->splits, last = at->chunks * (split + 1) / at->splits;
-            const elem *k = (const elem *)(intptr_t)pp->k + h * pp->stride;
-            const elem *v = (const elem *)(intptr_t)pp->v + h * pp->stride;
+            const elem *k = (const elem *)(intptr_t)(pp->k + layer * pp->layer_bytes) + h * pp->stride;
+            const elem *v = (const elem *)(intptr_t)(pp->v + layer * pp->layer_bytes) + h * pp->stride;
             float *acc = parts + at->parts_at + (item - at->first_item) * stride, *max = acc + rows * d, *sum = max + rows;
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;

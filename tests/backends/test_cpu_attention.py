@@ -117,10 +117,10 @@ def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only
     parts, first = [], 0
     for history, count in shapes:
         buffer = (torch.randn(2, 2, 3, history + count + 17, 64) * 2).to(dtype)  # room past the positions filled
-        parts.append(cpu_attention.Part(first, count, buffer, 1, history + count, history))
+        parts.append(cpu_attention.Part(first, count, buffer, history + count, history))
         first += count
     untouched = [part.kv.clone() for part in parts]
-    cpu_attention.attend_parts(queries, parts, 0.125, out, lse, new=(new_keys, new_values))
+    cpu_attention.attend_parts(queries, cpu_attention.Plan(parts), 1, 0.125, out, lse, new=(new_keys, new_values))
     for part, before in zip(parts, untouched, strict=True):
         rows, end = slice(part.first, part.first + part.length), part.tokens
         expected_kv = before.clone()
@@ -182,7 +182,8 @@ def test_a_shared_prefix_is_attended_by_the_kernel_as_by_torchs(dtype: torch.dty
     for rows in (slice(1, 4), torch.tensor([0, 2, 5])):  # readers side by side, and not
         readers = (attention_module.SharedReaders((prefix,), rows),)
         merged, merged_lse = out.clone(), lse.clone()
-        attention_module._add_shared_with_kernel(query, merged, merged_lse, readers, 0, 0.125)
+        with attention_module.packed_step(attention_module.PackedBatch((), (0,), readers)):  # a step of its own
+            attention_module._add_shared_with_kernel(query, merged, merged_lse, readers, 0, 0.125)
         flash = attention_module._add_shared(query, out.clone(), lse.clone(), readers, 0, 0.125)
         torch.testing.assert_close(merged, flash, **close(dtype))
         others = [i for i in range(6) if i not in torch.arange(6)[rows].tolist()]
@@ -206,13 +207,13 @@ async def test_requests_on_a_shared_prefix_give_the_tokens_they_give_alone(
     blocks = await prefix_blocks(backend, prompt)
     attend, shared_keys, own_calls = cpu_attention.attend_parts, [], []
 
-    def counted(queries: torch.Tensor, parts: list[cpu_attention.Part], *rest: Any, **named: Any) -> None:
-        for part in parts:
+    def counted(queries: torch.Tensor, plan: cpu_attention.Plan, *rest: Any, **named: Any) -> None:
+        for part in plan.parts:
             if part.causal_from is None:
                 shared_keys.append(part.tokens)
             else:
                 own_calls.append(part.causal_from)
-        attend(queries, parts, *rest, **named)
+        attend(queries, plan, *rest, **named)
 
     monkeypatch.setattr(cpu_attention, "attend_parts", counted)
     assert await run_shared(backend, prompt, blocks[:6]) == alone

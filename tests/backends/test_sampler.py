@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from prefixgate.backends import SamplingParams
@@ -18,6 +21,17 @@ def picks(params: SamplingParams, count: int = 200) -> list[int]:
 
 def test_temperature_zero_is_greedy() -> None:
     assert set(picks(SamplingParams(temperature=0.0), 5)) == {1}
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [[1.0, 3.0, 3.0, 2.0], [1.0, float("nan"), 3.0, float("nan")], [-math.inf, -math.inf, 0.5], [-math.inf] * 3],
+    ids=["ties", "NaN", "masked", "all masked"],
+)
+def test_greedy_picks_what_torch_argmax_picks(logits: list[float]) -> None:
+    # the first of equal maxima, and the first NaN where there is one
+    scores = torch.tensor(logits)
+    assert Sampler(SamplingParams(temperature=0.0), CPU).pick(scores) == int(torch.argmax(scores))
 
 
 def test_a_vanishing_temperature_picks_the_best_without_overflowing() -> None:

@@ -95,22 +95,29 @@ class Sampler:
         if self._generator is None:
             return _argmax(logits)
         # In float64, where a tiny temperature is not 0, and shifted so the best scores 0: however small the
-        # temperature, no score overflows to +inf, which softmax would turn into nan.
+        # temperature, no score overflows to +inf, whose exponential would make the weights nan.
         logits = logits.double()
         scores = (logits - logits.max()) / self._params.temperature  # scores: [vocab]
         top_k, top_p = self._params.top_k, self._params.top_p
+        tokens = None  # the candidates' token ids, where top-k or top-p narrowed them: [candidates]
         if 0 < top_k < scores.shape[-1]:
             kth = torch.topk(scores, top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
+            tokens = (scores >= kth).nonzero().flatten()  # the k best, and any tied with the k-th
+            scores = scores[tokens]
         if top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)  # sorted: [vocab]
-            probs = torch.softmax(sorted_scores, dim=-1)
+            weights = torch.exp(scores)
+            ranked = _most_likely(weights / weights.sum(), top_p)  # ranked: [most likely first]
+            probs = weights[ranked] / weights.sum()
             # Drop a token when the tokens ranked above it already reach top_p; the first one always stays.
-            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)  # drop: [vocab]
-            scores = scores.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # probs: [vocab]
-        return int(torch.multinomial(probs, 1, generator=self._generator).item())
+            ranked = ranked[(torch.cumsum(probs, dim=-1) - probs) < top_p]
+            scores = scores[ranked]
+            tokens = ranked if tokens is None else tokens[ranked]
+        # One draw from the candidates' weights, by where a uniform number in (0, total] falls among their running
+        # sums (a candidate of weight 0, a token ruled out, is never where it falls).
+        total = torch.cumsum(torch.exp(scores), dim=-1)
+        draw = (1.0 - torch.rand((), dtype=torch.float64, generator=self._generator)) * total[-1]
+        chosen = int(torch.searchsorted(total, draw))
+        return chosen if tokens is None else int(tokens[chosen])
 
     def _entry(self, token: int, logprob: float) -> TopLogprob:
         text = self._token_text(token)
@@ -124,3 +131,15 @@ def _argmax(logits: torch.Tensor) -> int:
     if logits.device.type == "cpu":
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits).item())
+
+
+def _most_likely(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Return the indices of the most likely of `probs`, most likely first, enough of them to reach `top_p` (all of
+    them where they do not): found among the best 64, then 8 times as many, before sorting all of them. Sorting
+    SmolLM2's 49,152 took 4 to 5 ms a token; the best 64 take about 0.1."""
+    count = min(64, probs.shape[-1])
+    while True:
+        values, indices = torch.topk(probs, count)
+        if count == probs.shape[-1] or float(values.sum()) >= top_p:
+            return indices
+        count = min(count * 8, probs.shape[-1])

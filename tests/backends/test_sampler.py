@@ -48,6 +48,30 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert set(picks(SamplingParams(temperature=1.0, top_p=0.6, seed=0))) == {1, 2}
 
 
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        (SamplingParams(temperature=1.0, seed=1), range(6)),
+        (SamplingParams(temperature=0.5, seed=2), range(6)),
+        (SamplingParams(temperature=2.0, top_k=3, seed=3), (1, 2, 3)),
+        (SamplingParams(temperature=1.0, top_p=0.9, seed=4), (1, 2, 3)),  # 0.34 + 0.31 + 0.28 reach 0.9
+        (SamplingParams(temperature=1.0, top_k=2, top_p=0.99, seed=5), (1, 2)),
+    ],
+    ids=["temperature 1", "temperature 0.5", "top-k", "top-p", "top-k and top-p"],
+)
+def test_tokens_come_as_often_as_their_probability_says(params: SamplingParams, kept: tuple[int, ...]) -> None:
+    # The softmax of the kept tokens' logits over the temperature: each token's share of 10,000 picks within 4
+    # standard deviations of its probability (a seeded run, so the same every time), and no other token picked.
+    count = 10_000
+    expected = torch.full_like(LOGITS, float("-inf"))
+    expected[list(kept)] = LOGITS[list(kept)] / params.temperature
+    probabilities = torch.softmax(expected.double(), dim=-1)
+    frequencies = torch.bincount(torch.tensor(picks(params, count)), minlength=len(LOGITS)).double() / count
+    margin = 4 * (probabilities * (1 - probabilities) / count).sqrt()
+    assert bool(((frequencies - probabilities).abs() <= margin).all()), (frequencies, probabilities)
+    assert bool((frequencies[probabilities == 0] == 0).all())
+
+
 def test_same_seed_same_picks_and_no_seed_still_samples() -> None:
     params = SamplingParams(temperature=1.0, seed=123)
     assert picks(params) == picks(params)

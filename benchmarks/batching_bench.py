@@ -243,6 +243,20 @@ async def alone(url: str, prompt: str) -> float:
         return (await stream(session, url, prompt, 1)).ttft
 
 
+def rate(streams: list[Stream], start: float, end: float) -> float:
+    """Return the pieces of text the streams delivered per second within (start, end]."""
+    return sum(len([t for t in s.arrivals if start < t <= end]) for s in streams) / (end - start)
+
+
+def streams_options(description: str) -> argparse.Namespace:
+    """Parse the options of a benchmark running rounds of concurrent streams against `prefixgate serve`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve` (repeat it)")
+    return parser.parse_args()
+
+
 def table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:

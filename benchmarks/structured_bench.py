@@ -10,7 +10,6 @@ unconstrained half against the constrained half.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_bench import Stream, served, stream, table
+from batching_bench import Stream, rate, served, stream, streams_options, table
 
 TOKENS = 64
 SCHEMA = {
@@ -37,10 +36,6 @@ async def send(session: aiohttp.ClientSession, url: str, index: int, constrained
     return await stream(session, url, f"List {40 + index} facts about the number {index * 1000}.", TOKENS, **fields)
 
 
-def rate(streams: list[Stream], start: float, end: float) -> float:
-    return sum(len([t for t in s.arrivals if start < t <= end]) for s in streams) / (end - start)
-
-
 async def run(url: str, streams: int, constrained: list[bool]) -> tuple[float, float, float]:
     """Run one round; return the decode rate of all streams, of the unconstrained ones and of the constrained ones."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -53,11 +48,7 @@ async def run(url: str, streams: int, constrained: list[bool]) -> tuple[float, f
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve` (repeat it)")
-    args = parser.parse_args()
+    args = streams_options(__doc__)
     executable = str(Path(sys.executable).parent / "prefixgate")
     ways = {
         "plain text": [False] * args.streams,

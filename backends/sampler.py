@@ -106,8 +106,9 @@ class Sampler:
             scores = scores[tokens]
         if top_p < 1.0:
             weights = torch.exp(scores)
-            ranked = _most_likely(weights / weights.sum(), top_p)  # ranked: [most likely first]
-            probs = weights[ranked] / weights.sum()
+            mass = weights.sum()
+            ranked = _most_likely(weights / mass, top_p)  # ranked: [most likely first]
+            probs = weights[ranked] / mass
             # Drop a token when the tokens ranked above it already reach top_p; the first one always stays.
             ranked = ranked[(torch.cumsum(probs, dim=-1) - probs) < top_p]
             scores = scores[ranked]
@@ -115,7 +116,8 @@ class Sampler:
         # One draw from the candidates' weights, by where a uniform number in (0, total] falls among their running
         # sums (a candidate of weight 0, a token ruled out, is never where it falls).
         total = torch.cumsum(torch.exp(scores), dim=-1)
-        draw = (1.0 - torch.rand((), dtype=torch.float64, generator=self._generator)) * total[-1]
+        uniform = torch.rand((), dtype=torch.float64, device=total.device, generator=self._generator)  # in [0, 1)
+        draw = (1.0 - uniform) * total[-1]
         chosen = int(torch.searchsorted(total, draw))
         return chosen if tokens is None else int(tokens[chosen])
 

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends.sampler import Sampler
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
@@ -143,3 +144,17 @@ async def test_the_engine_on_the_gpu_lends_one_shared_prefix_in_place_from_the_d
         assert max(lent) > 0 and store.tiers[0].lent() == 0  # read in place while they ran, given back at the end
     finally:
         await engine.close()
+
+
+def test_the_sampler_picks_on_the_gpu_from_the_candidates_it_keeps() -> None:
+    # Seeded picks among logits on the device, narrowed by top-k and top-p, as on a CPU (see test_sampler.py).
+    logits = torch.tensor([0.0, 3.0, 2.9, 2.8, -1.0, 1.0], device=GPU)
+    for params, kept in (
+        (SamplingParams(temperature=1.0, seed=0), set(range(6))),
+        (SamplingParams(temperature=2.0, top_k=2, seed=0), {1, 2}),
+        (SamplingParams(temperature=1.0, top_p=0.6, seed=0), {1, 2}),
+    ):
+        sampler = Sampler(params, GPU)
+        picks = {sampler.pick(logits) for _ in range(300)}
+        assert picks <= kept and len(picks) > 1
+    assert Sampler(SamplingParams(temperature=0.0), GPU).pick(logits) == 1

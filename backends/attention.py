@@ -359,9 +359,10 @@ def _add_shared_with_kernel(
             plans, at = [cpu_attention.Plan([cpu_attention.Part(first, count, kv.unsqueeze(0), kv.shape[2])])], 0
         else:
             plans, at = _step.plans.get(index), layer
-            if plans is None:
-                parts = [[cpu_attention.Part(first, count, run, run.shape[3])] for run in readers.kv]
-                plans = _step.plans[index] = [cpu_attention.Plan(part) for part in parts]
+            if plans is None:  # a plan a run: the runs' rows are the same, so each run is a call of its own
+                plans = _step.plans[index] = [
+                    cpu_attention.Plan([cpu_attention.Part(first, count, run, run.shape[3])]) for run in readers.kv
+                ]
         for plan in plans:
             cpu_attention.attend_parts(picked, plan, at, scale, own, own_lse)
         if not isinstance(rows, slice):  # gathered copies: put them back

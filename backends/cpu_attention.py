@@ -115,12 +115,13 @@ class Plan:
     def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = tuple(parts)
         first = self.parts[0].kv
-        self.dtype, self.kv_heads, self.layers = first.dtype, first.shape[2], min(part.kv.shape[0] for part in parts)
+        self.dtype, self.kv_heads, self.head_dim = first.dtype, first.shape[2], first.shape[4]
+        self.layers = min(part.kv.shape[0] for part in parts)
         size = first.element_size()
         plans: list[int] = []
         for first_row, length, kv, tokens, causal_from in self.parts:
             layer, values, head, row, column = kv.stride()
-            assert kv.dtype == self.dtype and kv.shape[2] == self.kv_heads and (row, column) == (kv.shape[4], 1)
+            assert kv.dtype == self.dtype and kv.shape[2] == self.kv_heads and (row, column) == (self.head_dim, 1)
             assert tokens <= kv.shape[3], "a part attends positions its KV does not hold"
             keys = kv.data_ptr()  # layer 0's, in bytes
             causal = -1 if causal_from is None else causal_from
@@ -147,7 +148,7 @@ def attend_parts(
     assert library is not None, "attend_parts where applies() said no"
     _, heads, _, head_dim = queries.shape
     assert queries.stride(3) == out.stride(3) == 1 and out.dtype == dtype and lse.dtype == torch.float32
-    assert plan.dtype == dtype and 0 <= layer < plan.layers
+    assert plan.dtype == dtype and plan.head_dim == head_dim and 0 <= layer < plan.layers
     new_k = new_v = None
     if new is not None:
         new_k, new_v = (x if x.stride(3) == 1 else x.contiguous() for x in new)

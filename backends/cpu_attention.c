@@ -106,9 +106,9 @@ typedef struct {  /* where a part's work and results are */
 } part_place;
 
 /* Attend the parts' query rows to their keys and values in layer `layer` and merge that, by log-sum-exp, into the
-   attention over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups; queries and out are
-   rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements); keys and values
-   rows of d contiguous elements. A held lse of -infinity holds nothing: out is then only written. With new_k and
+   attention over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups;
+   queries and out are rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements);
+   keys and values rows of d contiguous elements. A held lse of -infinity holds nothing: out is then only written. With new_k and
    new_v (the step's new keys and values, placed by their strides, rows as the queries'), a causal part first has its
    rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
    region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when

@@ -3,12 +3,13 @@
    cpu_attention_bf16.h and cpu_attention_f32.h, the call and its sharing out of work here.
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
-   work shared out by part, KV head and run of keys. Each item packs 256 keys at a time, so that every key is read
-   from memory once a call, then attends the part's query rows to them, fetching the next 256 meanwhile: scores in
-   float32, softmax in float32 (exponentials in base 2, the scale folded in), then the probabilities times V. A row
-   sees every key, or causally those up to its own position. An item keeps an unnormalised output, the max of the
-   scores and the sum of their exponentials for each row; at the end they merge across items and into the attention
-   the caller holds over other keys, by log-sum-exp. */
+   work shared out by part, KV head and run of keys. Each item takes 256 keys at a time (packed for the products
+   where a build's products need it, read in place where they do not), so that every key comes from memory once a
+   call, then attends the part's query rows to them, fetching the next 256 meanwhile: scores in float32, softmax in
+   float32 (exponentials in base 2, the scale folded in), then the probabilities times V. A row sees every key, or
+   causally those up to its own position. An item keeps an unnormalised output, the max of the scores and the sum of
+   their exponentials for each row; at the end they merge across items and into the attention the caller holds over
+   other keys, by log-sum-exp. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -50,20 +51,23 @@ typedef struct {
 /* Query row i of KV head h's grouped rows (query head h * groups + i / count, position i % count). */
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
-/* The next chunk's keys and values on their way to the cache while this chunk is attended. `fetch_ahead` asks for
-   `step` more lines (64 bytes) of each into the nearest cache: asked for a few at a time between a block's products,
-   they arrive while the products run. `fetch_rest` asks for all that is left at once, into the second-level cache
-   (the nearest would not hold them beside what the block reads); most of those wait behind each other. */
+/* The next chunk's keys and values on their way to the cache while this chunk is attended. `take_ahead` hands one
+   product its share, `step` lines (64 bytes) of each, to ask for into the nearest cache one a step as it runs: spread
+   so, they arrive while the products run, where asked for in bursts they held up the products' own loads. `fetch_rest`
+   asks for all that is left at once, into the second-level cache (the nearest would not hold them beside what the
+   block reads); most of those wait behind each other. */
 typedef struct {
     const char *k, *v;
-    int64_t at, bytes, step;  /* bytes asked for so far, of `bytes` of each; lines a call of fetch_ahead asks for */
+    int64_t at, bytes, step;  /* bytes asked for so far, of `bytes` of each; lines a product asks for */
 } ahead_of;
 
-static inline void fetch_ahead(ahead_of *ahead) {
-    for (int64_t i = 0; i < ahead->step && ahead->at < ahead->bytes; i++, ahead->at += 64) {
-        _mm_prefetch(ahead->k + ahead->at, _MM_HINT_T0);
-        _mm_prefetch(ahead->v + ahead->at, _MM_HINT_T0);
-    }
+/* Set `k` and `v` to the lines one product asks for, and return how many (of each) they are. */
+static inline int64_t take_ahead(ahead_of *ahead, const char **k, const char **v) {
+    const int64_t left = (ahead->bytes - ahead->at) / 64, lines = left < ahead->step ? left : ahead->step;
+    *k = ahead->k + ahead->at;
+    *v = ahead->v + ahead->at;
+    ahead->at += lines * 64;
+    return lines;
 }
 
 static inline void fetch_rest(ahead_of *ahead) {

@@ -1,24 +1,41 @@
-/* The inner parts of the float32 kernel (built with -mavx2 -mfma -DFLOAT32), included by cpu_attention.c: a chunk's
-   keys transposed for the products, a block of rows attended to them, and the merges. Keys, values, queries and
-   outputs are float32 (`elem`), and so is every product.
+/* The inner parts of the float32 kernel (built with -mavx2 -mfma -DFLOAT32), included by cpu_attention.c: a block of
+   query rows attended to a chunk of keys and values, and the merges. Keys, values, queries and outputs are float32
+   (`elem`), and so is every product.
 
-   Both products of a block are one register-blocked kernel, C[rows x 16] = A[rows x depth] B[depth x 16] in
-   12 accumulators (6 rows by two vectors of 8), each row of B loaded once for the rows, each element of A broadcast
-   once for both vectors: the scores, queries times the chunk's keys transposed (16 keys a row of B), and the
-   outputs, probabilities times values (16 columns of V a row of B, read where they are). */
+   Both products are one register-blocked kernel, C[rows x 8 vecs] = A[rows x depth] B[depth x 8 vecs] in at most 12
+   accumulators, each row of B loaded once for the rows and each element of A broadcast once for the vectors:
+   - the scores come out transposed, a row a key: the chunk's keys (A, read in place, 4 at a time against up to 24
+     query rows) times the block's queries transposed (B, laid out once a block), so no key is moved;
+   - each query row's softmax runs down its column, 8 rows to a vector, in place;
+   - the outputs are the probabilities (A, down their columns) times the values (B, laid out 16 columns at a time as
+     the chunk is taken).
+   Transposing the keys instead (as this kernel did) cost a pass over each chunk that the products then did not
+   hide: on SmolLM2's shapes over a 4k prefix, 2 cores of an AMD EPYC (Zen 3), this way attends one decoding stream
+   in about three quarters of the time, 8 in about four fifths, 16 a little faster, and 432 query rows (16 prompts of
+   27 tokens) 2 to 4 % slower (`benchmarks/attention_bench.py`; README, "Benchmarks"). */
 
 int prefixgate_request_amx(void) { return 0; }
 static void configure_tiles(void) {}
 static void release_tiles(void) {}
 
 typedef struct {
-    float keys[KEYS * MAX_DIM];     /* per 16 keys: d columns of 16 keys (K transposed) */
-    const float *values;            /* the chunk's values, rows of d, read in place */
-    float queries[ROWS * MAX_DIM];  /* a block of query rows */
-    float scores[ROWS * KEYS];      /* scores, then the probabilities in place */
+    const float *keys;              /* the chunk's, rows of d, read in place */
+    float values[MAX_DIM * KEYS];   /* the chunk's, 16 columns at a time: for each 16, a row of them a key */
+    float queries[MAX_DIM * ROWS];  /* the block's rows transposed: column i is row i, columns padded to 8 */
+    float scores[KEYS * ROWS];      /* transposed, as the queries' columns: scores, then probabilities in place */
     float out[ROWS * MAX_DIM];      /* the block's unnormalised output */
     float max[ROWS], sum[ROWS];
 } scratch;
+
+/* Keep where the chunk's keys [0, n) are, and lay its values out 16 columns at a time. */
+static void pack(const float *k, const float *v, int64_t n, int64_t d, scratch *w) {
+    w->keys = k;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < d; c += 16) {
+            _mm256_storeu_ps(w->values + c * KEYS + i * 16, _mm256_loadu_ps(v + i * d + c));
+            _mm256_storeu_ps(w->values + c * KEYS + i * 16 + 8, _mm256_loadu_ps(v + i * d + c + 8));
+        }
+}
 
 static inline void transpose8(__m256 r[8]) {  /* 8 rows of 8 floats, in place */
     __m256 t[8], s[8];
@@ -38,63 +55,77 @@ static inline void transpose8(__m256 r[8]) {  /* 8 rows of 8 floats, in place */
     }
 }
 
-/* Transpose keys [0, n) of K (rows of d) into w->keys, 16 keys a row of each column, keys past n (to a multiple of
-   16) zeros; keep where V is. */
-static void pack(const float *k, const float *v, int64_t n, int64_t d, scratch *w) {
-    const int64_t padded = (n + 15) / 16 * 16;
-    for (int64_t g = 0; g < padded; g += 8) {
-        float *group = w->keys + (g / 16) * d * 16 + g % 16;
-        for (int64_t c = 0; c < d; c += 8) {
-            __m256 r[8];
-            for (int64_t i = 0; i < 8; i++) r[i] = g + i < n ? _mm256_loadu_ps(k + (g + i) * d + c) : _mm256_setzero_ps();
-            transpose8(r);
-            for (int64_t i = 0; i < 8; i++) _mm256_storeu_ps(group + (c + i) * 16, r[i]);
-        }
-    }
-    w->values = v;
-}
-
-/* C[rows x 16] = A[rows x depth] B[depth x 16] (rows at most 6): A's rows `lda` apart, B's `ldb`, C's `ldc`. */
-static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const float *b, int64_t ldb,
-                                                          int64_t depth, float *c, int64_t ldc, const int rows) {
-    __m256 acc[6][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+/* C = A B for `rows` rows (at most 12 / vecs) and vecs * 8 columns: A's element (r, i) at a[r * ar + i * ai], B's
+   row i at b + i * ldb, C's row r at c + r * ldc. Asks for `ahead`'s share of this product, a line of each a step. */
+static inline __attribute__((always_inline)) void product(const float *a, int64_t ar, int64_t ai, const float *b,
+                                                          int64_t ldb, int64_t depth, float *c, int64_t ldc,
+                                                          const int rows, const int vecs, ahead_of *ahead) {
+    const char *next_k, *next_v;
+    const int64_t lines = take_ahead(ahead, &next_k, &next_v);
+    __m256 acc[12];
+    for (int x = 0; x < rows * vecs; x++) acc[x] = _mm256_setzero_ps();
     for (int64_t i = 0; i < depth; i++) {
-        const __m256 b0 = _mm256_loadu_ps(b + i * ldb), b1 = _mm256_loadu_ps(b + i * ldb + 8);
+        if (i < lines) {
+            _mm_prefetch(next_k + i * 64, _MM_HINT_T0);
+            _mm_prefetch(next_v + i * 64, _MM_HINT_T0);
+        }
+        __m256 row[3];
+        for (int v = 0; v < vecs; v++) row[v] = _mm256_loadu_ps(b + i * ldb + v * 8);
         for (int r = 0; r < rows; r++) {
-            const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
-            acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+            const __m256 x = _mm256_broadcast_ss(a + r * ar + i * ai);
+            for (int v = 0; v < vecs; v++) acc[r * vecs + v] = _mm256_fmadd_ps(x, row[v], acc[r * vecs + v]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(c + r * ldc, acc[r][0]);
-        _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
-    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) _mm256_storeu_ps(c + r * ldc + v * 8, acc[r * vecs + v]);
 }
 
-/* C[count x columns] = A[count x depth] B[depth x columns], columns a multiple of 16, B's 16 columns from column j at
-   `b + j * jump`: each 16 columns of B stay in the cache while every 6 rows of A meet them. With each product of up
-   to 6 rows, a few lines of `ahead` are fetched. */
-static void products(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t jump, int64_t depth, float *c,
-                     int64_t ldc, int64_t count, int64_t columns, ahead_of *ahead) {
-    for (int64_t j = 0; j < columns; j += 16) {
-        const float *bj = b + (j / 16) * jump;
-        int64_t r = 0;
-        for (; r + 6 <= count; r += 6) {
-            product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 6);
-            fetch_ahead(ahead);
-        }
-        if (r < count) fetch_ahead(ahead);
-        switch (count - r) {
-        case 5: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 5); break;
-        case 4: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 4); break;
-        case 3: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 3); break;
-        case 2: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 2); break;
-        case 1: product(a + r * lda, lda, bj, ldb, depth, c + r * ldc + j, ldc, 1); break;
-        default: break;
-        }
+/* The scores of keys [k, k + rows) against query rows [g, g + 8 vecs), into w->scores (its rows `padded` apart). */
+static void score_keys(scratch *w, int64_t k, int64_t g, int64_t padded, int64_t d, int rows, int vecs,
+                       ahead_of *ahead) {
+    const float *a = w->keys + k * d, *b = w->queries + g;
+    float *c = w->scores + k * padded + g;
+#define SCORES(R, V) product(a, d, 1, b, padded, d, c, padded, R, V, ahead)
+    switch (vecs * 16 + rows) {  /* the sizes attend_block asks for */
+    case 16 + 8: SCORES(8, 1); break;
+    case 16 + 7: SCORES(7, 1); break;
+    case 16 + 6: SCORES(6, 1); break;
+    case 16 + 5: SCORES(5, 1); break;
+    case 16 + 4: SCORES(4, 1); break;
+    case 16 + 3: SCORES(3, 1); break;
+    case 16 + 2: SCORES(2, 1); break;
+    case 16 + 1: SCORES(1, 1); break;
+    case 32 + 6: SCORES(6, 2); break;
+    case 32 + 5: SCORES(5, 2); break;
+    case 32 + 4: SCORES(4, 2); break;
+    case 32 + 3: SCORES(3, 2); break;
+    case 32 + 2: SCORES(2, 2); break;
+    case 32 + 1: SCORES(1, 2); break;
+    case 48 + 4: SCORES(4, 3); break;
+    case 48 + 3: SCORES(3, 3); break;
+    case 48 + 2: SCORES(2, 3); break;
+    case 48 + 1: SCORES(1, 3); break;
+    default: break;
     }
+#undef SCORES
+}
+
+/* Output rows [r, r + rows) (at most 6), columns [j, j + 16): their probabilities times the chunk's n values. */
+static void output_rows(scratch *w, int64_t r, int64_t j, int64_t n, int64_t padded, int64_t d, int rows,
+                        ahead_of *ahead) {
+    const float *a = w->scores + r, *b = w->values + j * KEYS;
+    float *c = w->out + r * d + j;
+#define OUTPUTS(R) product(a, 1, padded, b, 16, n, c, d, R, 2, ahead)
+    switch (rows) {
+    case 6: OUTPUTS(6); break;
+    case 5: OUTPUTS(5); break;
+    case 4: OUTPUTS(4); break;
+    case 3: OUTPUTS(3); break;
+    case 2: OUTPUTS(2); break;
+    case 1: OUTPUTS(1); break;
+    default: break;
+    }
+#undef OUTPUTS
 }
 
 static inline __m256 exp2_256(__m256 t) {  /* 2^t to float32 precision for t <= 0; 2^-126 at most below -126 */
@@ -107,68 +138,90 @@ static inline __m256 exp2_256(__m256 t) {  /* 2^t to float32 precision for t <= 
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
-static inline float sum8(__m256 x) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+/* Whether each of 8 rows no longer sees key k: the rows' last keys in `last`. */
+static inline __m256 unseen(int64_t k, const int32_t *last) {
+    const __m256i lasts = _mm256_loadu_si256((const __m256i *)last);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)k), lasts));
 }
 
-static inline float max8(__m256 x) {
-    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+/* The softmax of the block's `padded` rows down their columns of the chunk's n scores, in place, a key at a time for
+   all of them: each row's probabilities (unnormalised; 0 past `last[r]`, the last key row r sees, counted from the
+   chunk's first, where `masked`), its max (scaled) and its sum of exponentials. */
+static void softmax(scratch *w, int64_t padded, int64_t n, float scale, const int32_t *last, int masked) {
+    const int64_t groups = padded / 8;
+    const __m256 none = _mm256_set1_ps(-INFINITY);
+    __m256 top[ROWS / 8], shift[ROWS / 8], total[ROWS / 8];
+    for (int64_t g = 0; g < groups; g++) top[g] = none;
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 s = _mm256_loadu_ps(w->scores + k * padded + g * 8);
+            if (masked) s = _mm256_blendv_ps(s, none, unseen(k, last + g * 8));
+            top[g] = _mm256_max_ps(top[g], s);
+        }
+    /* Exponentials in base 2, the scale folded in. A row that sees no key here has them all masked to 0. */
+    const float log2_scale = scale * 1.44269504088896341f;
+    const __m256 factor = _mm256_set1_ps(log2_scale);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 seen = _mm256_cmp_ps(top[g], none, _CMP_NEQ_OQ);
+        shift[g] = _mm256_and_ps(seen, _mm256_mul_ps(top[g], _mm256_set1_ps(-log2_scale)));
+        total[g] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            float *at = w->scores + k * padded + g * 8;
+            __m256 e = exp2_256(_mm256_fmadd_ps(_mm256_loadu_ps(at), factor, shift[g]));
+            if (masked) e = _mm256_andnot_ps(unseen(k, last + g * 8), e);
+            total[g] = _mm256_add_ps(total[g], e);
+            _mm256_storeu_ps(at, e);
+        }
+    for (int64_t g = 0; g < groups; g++) {
+        _mm256_storeu_ps(w->max + g * 8, _mm256_mul_ps(top[g], _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(w->sum + g * 8, total[g]);
+    }
 }
 
-/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
-   t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). What is left of `ahead`
-   is fetched meanwhile. */
+/* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the chunk's n keys, from key t0 on: into
+   w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). Each product asks for a share of
+   what is left of `ahead` as it runs. */
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
                          float scale, scratch *w, ahead_of *ahead) {
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t r = r0 + i;
-        memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(float) * d);
+    const int64_t padded = (count + 7) / 8 * 8;
+    for (int64_t g = 0; g < padded; g += 8) {  /* the queries transposed, 8 rows at a time, zeros past count */
+        const float *q[8];
+        for (int i = 0; i < 8; i++) {
+            const int64_t r = r0 + g + i;
+            q[i] = g + i < count ? x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row : NULL;
+        }
+        for (int64_t c = 0; c < d; c += 8) {
+            __m256 rows[8];
+            for (int i = 0; i < 8; i++) rows[i] = q[i] ? _mm256_loadu_ps(q[i] + c) : _mm256_setzero_ps();
+            transpose8(rows);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(w->queries + (c + i) * padded + g, rows[i]);
+        }
     }
-    /* Over the scores' products, a share of the lines with each: all of them by the last. */
-    const int64_t columns = (n + 15) / 16 * 16, calls = (count + 5) / 6 * (columns / 16);
+    /* The scores a few keys at a time, against every 24 rows of the block before the next keys, so those keys stay
+       in the nearest cache: 4 keys (6 or 8 where the block has 16 or 8 rows, to fill 12 accumulators). Then the
+       outputs, 6 rows by 16 columns at a time. */
+    const int64_t keys = padded >= 24 ? 4 : (padded == 16 ? 6 : 8);
+    const int64_t calls = (n + keys - 1) / keys * ((padded + 23) / 24) + (d / 16) * ((count + 5) / 6);
     ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
-    products(w->queries, d, w->keys, 16, d * 16, d, w->scores, KEYS, count, columns, ahead);
-    /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Exponentials in base
-       2, the scale folded in. */
-    const float log2_scale = scale * 1.44269504088896341f;
-    for (int64_t r = 0; r < count; r++) {
-        float *row = w->scores + r * KEYS;
-        int64_t visible = n;  /* the keys this row sees in the chunk */
-        if (x->causal_from >= 0) {
-            const int64_t last = x->causal_from + (r0 + r) % x->count - t0;  /* its last key, from the chunk's first */
-            visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
+    for (int64_t k = 0; k < n; k += keys)
+        for (int64_t g = 0; g < padded; g += 24) {
+            const int rows = (int)(n - k < keys ? n - k : keys), vecs = (int)(padded - g < 24 ? padded - g : 24) / 8;
+            score_keys(w, k, g, padded, d, rows, vecs, ahead);
         }
-        memset(row + visible, 0, sizeof(float) * (n - visible));
-        if (visible == 0) {
-            w->max[r] = -INFINITY;
-            w->sum[r] = 0.0f;
-            continue;
-        }
-        int64_t i = 0;
-        __m256 top = _mm256_set1_ps(-INFINITY);
-        for (; i + 8 <= visible; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + i));
-        float most = max8(top);
-        for (; i < visible; i++) most = fmaxf(most, row[i]);
-        const __m256 factor = _mm256_set1_ps(log2_scale), shift = _mm256_set1_ps(-most * log2_scale);
-        __m256 total = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= visible; i += 8) {
-            const __m256 e = exp2_256(_mm256_fmadd_ps(_mm256_loadu_ps(row + i), factor, shift));
-            total = _mm256_add_ps(total, e);
-            _mm256_storeu_ps(row + i, e);
-        }
-        float sum = sum8(total);
-        for (; i < visible; i++) {
-            row[i] = exp2f(fmaxf((row[i] - most) * log2_scale, -126.0f));
-            sum += row[i];
-        }
-        w->max[r] = most * scale;
-        w->sum[r] = sum;
+    int32_t last[ROWS];  /* the last key each row sees, from the chunk's first (-1: none) */
+    int masked = 0;
+    for (int64_t i = 0; i < padded; i++) {
+        const int64_t r = r0 + (i < count ? i : count - 1);  /* a padding row as the last real one */
+        const int64_t to = x->causal_from < 0 ? n - 1 : x->causal_from + r % x->count - t0;
+        last[i] = (int32_t)(to < -1 ? -1 : (to > n - 1 ? n - 1 : to));
+        masked |= last[i] < n - 1;
     }
-    products(w->scores, KEYS, w->values, d, 16, n, w->out, d, count, d, ahead);  /* nothing left to fetch */
+    softmax(w, padded, n, scale, last, masked);
+    for (int64_t j = 0; j < d; j += 16)
+        for (int64_t r = 0; r < count; r += 6)
+            output_rows(w, r, j, n, padded, d, (int)(count - r < 6 ? count - r : 6), ahead);
 }
 
 /* Merge a block's output into an item's running one (rows [0, count), each acc row `d` floats). */

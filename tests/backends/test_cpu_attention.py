@@ -50,6 +50,8 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         (9, 3, 8, 4096, 64),  # SmolLM2, 8 decoding streams on a 4k-token prefix: 24 rows per KV head
         (9, 3, 5, 1000, 64),  # keys that end inside a run of 256, a pair and a tile
         (4, 2, 65, 300, 64),  # 130 rows per KV head: past a block of 64, and a last tile of 2 rows
+        (9, 3, 16, 700, 64),  # 16 streams: 48 rows per KV head, two sets of 24 for each few keys
+        (4, 1, 8, 515, 64),  # 32 rows per KV head: 8 of them beside 24, and 3 keys past a run of 4
         (1, 1, 1, 1, 64),  # one key
         (4, 2, 7, 77, 128),  # a wider head
     ],

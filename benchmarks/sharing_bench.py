@@ -4,9 +4,10 @@ Run by hand: `.venv/bin/python benchmarks/sharing_bench.py` (six to seven minute
 `--streams 8` make it shorter). It starts `prefixgate serve` on 127.0.0.1 with its store in memory, caches a system
 prompt of each length with one request, then prints:
 
-1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, counted while all of them decode) with
-   a short prompt, and with distinct questions after the cached system prompt (after a first round on it, not
-   counted); the ratio of the two (nan when the streams never all decoded at once).
+1. Aggregate decode tokens/s of N concurrent streams (64 tokens each, greedy, the end of text ignored so that none
+   stops early; counted while all of them decode) with a short prompt, and with distinct questions after the cached
+   system prompt (after a first round on it, not counted); the ratio of the two (nan when the streams never all
+   decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix; the median of 3), and the
    slowest first token of N warm requests sent at once; the ratio of the two.
 3. KV memory for 32 streams on the 4k prefix, at its highest while they run: the shared prefix's bytes, read in place
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import statistics
@@ -73,6 +75,8 @@ async def send(
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
+        # Every answer runs its full length: one that ended after a few tokens left no time when all decoded at once.
+        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -152,10 +156,22 @@ async def memory_of(url: str, system: str, count: int, pid: int, first: int) -> 
     return highest, shared, (rss_peak - rss_before) / 2**20, refused
 
 
+def _median(values: list[float]) -> float:
+    """The median of the rounds' values that are numbers (nan where none is)."""
+    numbers = [value for value in values if not math.isnan(value)]
+    return statistics.median(numbers) if numbers else math.nan
+
+
 def _spread(values: list[float], form: str) -> str:
-    """The median of the rounds' values, and their lowest and highest where there are several."""
-    median = form.format(statistics.median(values))
-    return median if len(values) == 1 else f"{median} ({form.format(min(values))} to {form.format(max(values))})"
+    """The median of the rounds' values, their lowest and highest where there are several, and how many rounds gave
+    no value (nan: the streams never all decoded at once)."""
+    numbers = [value for value in values if not math.isnan(value)]
+    text = form.format(_median(values))
+    if len(numbers) > 1:
+        text += f" ({form.format(min(numbers))} to {form.format(max(numbers))})"
+    if len(numbers) < len(values):
+        text += f" [{len(values) - len(numbers)} of {len(values)} rounds nan]"
+    return text
 
 
 def _rss(pid: int) -> int:
@@ -227,8 +243,8 @@ async def main() -> None:
                     [
                         str(tokens),
                         str(count),
-                        f"{statistics.median(shorts):.1f}",
-                        f"{statistics.median(shareds):.1f}",
+                        f"{_median(shorts):.1f}",
+                        f"{_median(shareds):.1f}",
                         _spread([shared / short for short, shared in zip(shorts, shareds, strict=True)], "{:.2f}x"),
                     ]
                 )

@@ -51,7 +51,7 @@ class StepCosts:
         if context_tokens <= 0:
             raise RuntimeError(f"context_tokens must be positive, got {context_tokens}")
         self.context_tokens = context_tokens
-        self.decode_seconds: float | None = None  # a step of decoding streams alone
+        self.decode_seconds: float | None = None  # a step of decoding streams alone (see observe)
         self.seconds_per_unit: float | None = None  # a prompt token's share of a step, per unit
         # Seconds and units of the recent prompt-only steps that measure the prefill rate (see
         # seconds_per_prompt_unit), the older weighing less, and whether a long one has.
@@ -100,6 +100,14 @@ class StepCosts:
             if long or (not had_long and all(item.context == 0 for item in prompt)):
                 self._prefill = (_RATE_MEMORY * past_seconds + seconds, _RATE_MEMORY * past_units + units, long)
         self.seconds_per_unit = _blend(self.seconds_per_unit, max(0.0, seconds - streams) / units)
+        rate = self.seconds_per_prompt_unit
+        if decoding and rate is not None:
+            # The streams change while prompts join them (more of them, deeper into their contexts), and a step of
+            # them alone may not come while prompts keep arriving: their share of this step is what is left once the
+            # prompt's units are paid at the prefill rate. Without it, 16 streams on a 7k-token prefix that took
+            # 130 ms a step were still counted at the 37 ms that few short ones had taken, every prompt token was
+            # charged the difference, and each question arriving beside them was prefilled one token a step.
+            self.decode_seconds = _blend(self.decode_seconds, max(0.0, seconds - units * rate))
 
 
 class Scheduler:

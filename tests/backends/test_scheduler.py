@@ -114,3 +114,21 @@ def test_the_prefill_rate_comes_from_prompts_computed_from_their_start_and_long_
     # 1,000 tokens from the start, in chunks of 512: 512 units, then 488 tokens after 512 positions.
     assert scheduler.prefill_seconds(1000) == pytest.approx(0.00025 * (512 + 488 * 1.512))
     assert scheduler.prefill_seconds(0) == 0.0
+
+
+def test_the_streams_cost_is_followed_in_steps_beside_prompts() -> None:
+    # The streams' step was measured alone when they were few and short (37 ms); now, many on a long prefix, it takes
+    # 130 ms, and prompts keep arriving beside them, so no step of them alone comes to measure it again.
+    scheduler = make_scheduler(decode=0.037, per_unit=0.002)
+    costs = scheduler.costs
+    costs.observe([Scheduled(cast(Sequence, Seq(600, computed=0)), 512, 0, prefill=True)], 0.2)  # the prefill rate
+    stream, question = Seq(0, computed=7200), Seq(29, computed=7179)  # a question after a 7k-token cached prefix
+    chunks = []
+    for _ in range(12):
+        step = scheduler.plan(cast(list[Sequence], [stream, question]))
+        chunks.append(step[-1].tokens)
+        units = sum(costs.units(item.tokens, item.context) for item in step if item.prefill)
+        costs.observe(step, 0.130 + units * 0.0004)  # what such a step takes: the streams, then the prompt's units
+    assert chunks[0] < 29
+    assert chunks[-1] == 29, f"the question still goes in a few tokens a step: {chunks}"
+    assert costs.decode_seconds == pytest.approx(0.13, rel=0.1)

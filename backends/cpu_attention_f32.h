@@ -11,8 +11,8 @@
      the chunk is taken).
    Transposing the keys instead (as this kernel did) cost a pass over each chunk that the products then did not
    hide: on SmolLM2's shapes over a 4k prefix, 2 cores of an AMD EPYC (Zen 3), this way attends one decoding stream
-   in about three quarters of the time, 8 in about four fifths, 16 a little faster, and 432 query rows (16 prompts of
-   27 tokens) 2 to 4 % slower (`benchmarks/attention_bench.py`; README, "Benchmarks"). */
+   in two thirds to four fifths of the time, 8 in about four fifths, 16 in about the same, and 432 query rows (16
+   prompts of 27 tokens) 3 to 10 % slower (`benchmarks/attention_bench.py`; README, "Benchmarks"). */
 
 int prefixgate_request_amx(void) { return 0; }
 static void configure_tiles(void) {}

@@ -166,7 +166,7 @@ def _spread(values: list[float], form: str) -> str:
     """The median of the rounds' values, their lowest and highest where there are several, and how many rounds gave
     no value (nan: the streams never all decoded at once)."""
     numbers = [value for value in values if not math.isnan(value)]
-    text = form.format(_median(values))
+    text = form.format(_median(numbers))
     if len(numbers) > 1:
         text += f" ({form.format(min(numbers))} to {form.format(max(numbers))})"
     if len(numbers) < len(values):

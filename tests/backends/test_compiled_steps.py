@@ -46,13 +46,21 @@ def attention_calls() -> Iterator[list[int]]:
 
 
 def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
-    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    compile_now, asked = torch.compile, []
+
+    def noted(function: Any, **options: Any) -> Any:
+        asked.append(options.get("options"))
+        return compile_now(function, **options)
+
+    monkeypatch.setattr(model_runner.torch, "compile", noted)
     model = make_llama(tokenizer)
     backend = make_backend(model, compile_steps=True)
     assert backend.compiling is not None
     backend.compiling.join()
     assert backend.steps == "compiled"
+    assert asked == [{"cpp_wrapper": True}]  # on a CPU the graph's calls are C++: what follows checks them
     compiled, eager = backend._runner, ModelRunner(model)  # one model: the second runner runs its step eagerly
     g = backend.geometry
     root = torch.randn((g.layers, 2, g.kv_heads, 16, g.head_dim))  # a shared prefix of 16 positions

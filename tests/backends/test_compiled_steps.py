@@ -51,7 +51,7 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
     compile_now, asked = torch.compile, []
 
     def noted(function: Any, **options: Any) -> Any:
-        asked.append(options.get("options"))
+        asked.append(dict(options["options"]))  # a copy: torch.compile takes the guard filter out of it
         return compile_now(function, **options)
 
     monkeypatch.setattr(model_runner.torch, "compile", noted)
@@ -60,7 +60,8 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
     assert backend.compiling is not None
     backend.compiling.join()
     assert backend.steps == "compiled"
-    assert asked == [{"cpp_wrapper": True}]  # on a CPU the graph's calls are C++: what follows checks them
+    # The modules unguarded, and on a CPU the graph's calls in C++: what follows checks such graphs.
+    assert asked == [{"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": True}]
     compiled, eager = backend._runner, ModelRunner(model)  # one model: the second runner runs its step eagerly
     g = backend.geometry
     root = torch.randn((g.layers, 2, g.kv_heads, 16, g.head_dim))  # a shared prefix of 16 positions
@@ -87,6 +88,29 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         for buffer, copy in zip(buffers, copies, strict=True):
             torch.testing.assert_close(buffer, copy, atol=1e-5, rtol=0)  # each wrote the same K and V
+
+
+def test_two_models_in_one_process_each_run_graphs_of_their_own(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    # Their modules go unguarded, so nothing but the runner's own compiled code tells the second model's steps from
+    # the first's graphs: one of 2 layers, one of 3.
+    models = [make_llama(tokenizer, seed=1), make_llama(tokenizer, seed=2, num_hidden_layers=3)]
+    prompt = make_prompt(12)
+    for model in models:
+        backend = make_backend(model, compile_steps=True)
+        assert backend.compiling is not None
+        backend.compiling.join()
+        assert backend.steps == "compiled"
+        g = backend.geometry
+        buffers = [torch.zeros((g.layers, 2, g.kv_heads, 16, g.head_dim)) for _ in range(2)]
+        with torch.inference_mode(), attention_calls() as calls:
+            logits = backend._runner.run([StepInput(prompt, buffers[0], 0)])
+        assert calls == []
+        with torch.inference_mode():
+            expected = ModelRunner(model).run([StepInput(prompt, buffers[1], 0)])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(buffers[0], buffers[1], atol=1e-4, rtol=0)
 
 
 async def test_steps_run_eagerly_while_compiling_and_compiled_after(

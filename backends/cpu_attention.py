@@ -281,22 +281,29 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
-    """Return the shared library of the C source `sources[0]` (the others: what it includes) built with `flags`,
-    compiling it first unless these sources were built so already (this kernel's, and `packed_linear`'s)."""
-    compiler = _compiler()
+def cxx_compiler() -> str | None:
+    """Return the C++ compiler builds of C++ sources use: `$CXX`, `c++` or `g++`; None where there is none."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def build(
+    sources: tuple[Path, ...], flags: tuple[str, ...], *, compiler: str | None = None, libraries: tuple[str, ...] = ()
+) -> Path:
+    """Return the shared library of the source `sources[0]` (the others: what it includes) built with `flags` and
+    linked with `libraries` (linker arguments), compiling it first unless these sources were built so already (this
+    kernel's, and `packed_linear`'s); with the C compiler unless `compiler` names another."""
+    compiler = compiler or _compiler()
     assert compiler is not None
     source = b"".join(path.read_bytes() for path in sources)
-    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *flags, *libraries)).encode()).hexdigest()[:16]
     target = kernel_dir() / f"{sources[0].stem}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed onto it, so that servers starting together never load a partial file.
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
             partial = Path(folder) / target.name
-            subprocess.run(
-                [compiler, *flags, "-o", str(partial), str(sources[0])], check=True, capture_output=True, text=True
-            )
+            command = [compiler, *flags, "-o", str(partial), str(sources[0]), *libraries]  # libraries after the source
+            subprocess.run(command, check=True, capture_output=True, text=True)
             os.replace(partial, target)
     return target
 

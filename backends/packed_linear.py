@@ -1,4 +1,4 @@
-"""Linear layers whose weights are laid out once on a CPU: for oneDNN's kernels, or for a C kernel of our own.
+"""Linear layers whose weights are laid out once on a CPU: for oneDNN's kernels, or for a kernel of our own.
 
 A bfloat16 matrix product on a CPU goes to oneDNN, which first reorders the weight into the blocked layout its AMX and
 AVX-512 kernels read, on every call. Reordered once at load, the same kernels skip that work: measured on SmolLM2 and
@@ -11,15 +11,17 @@ linear layers, without compiling.
 A float32 product goes to MKL instead. On an Intel Xeon most of them ran slower prepacked for oneDNN, so float32 keeps
 torch's own path there; on an AMD EPYC (Zen 3, AVX2) MKL's ran slower (the output projection of 8 rows 2.9 times), and
 a whole step of SmolLM2 ran 1.3 to 1.4 times as fast prepacked for 1 to 16 decoding streams (1.1 to 1.4 times for
-prompts; README, "Benchmarks"), so float32 weights are prepacked on AMD's x86 CPUs. There they go to a small C kernel
-of their own (`cpu_linear.c`, built as the attention kernel is, see `cpu_attention.build`) where it builds, and to
-oneDNN's layout where it does not: SmolLM2's 211 layers, their weights coming from memory as in a step, took 31.9 ms
-for one row against oneDNN's 39.9 (reading the weights once takes 22.5), 57.7 for 16 rows against 74.4, 958 for 512
-against 1003 (benchmarks/linear_bench.py).
+prompts; README, "Benchmarks"), so float32 weights are prepacked on AMD's x86 CPUs. There they go to a small kernel
+of their own where it builds, and to oneDNN's layout where it does not: SmolLM2's 211 layers, their weights coming
+from memory as in a step, took 31.9 ms for one row against oneDNN's 39.9 (reading the weights once takes 22.5), 57.7
+for 16 rows against 74.4, 958 for 512 against 1003 (benchmarks/linear_bench.py). The kernel (`cpu_linear.cpp`, built
+as the attention kernel is, see `cpu_attention.build`) is a torch operator of C++, `prefixgate::linear_panels`, so a
+compiled step, C++ itself on a CPU, calls it with no Python between: through a Python operator, a step of one stream
+of SmolLM2 took 1.13 to 1.17 times as long, of 16 streams 1.05 to 1.09 times (benchmarks/step_bench.py).
 
 A float32 weight that is exactly GGUF blocks (a GGUF model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights as transformers
 loads them, each 32 values along a row d q + o, d a half-precision number and q a small integer; `block_codes`) goes
-to the C kernel as its codes, two to a byte where they are 0 to 15 (as Q4_1's are) and int8 otherwise, with each
+to the kernel as its codes, two to a byte where they are 0 to 15 (as Q4_1's are) and int8 otherwise, with each
 block's d and o: 0.75 or 1.25 bytes a weight instead of 4. The kernel rebuilds each piece of the weight to the bit as
 it reads it, so the products are those of its float layout, bit for bit. The embedded SmolLM2's 211 layers are all
 such (Q4_1 and Q8_0: 115 MB instead of 538), and its decode step reads a fifth of the bytes (see README, "The model's
@@ -43,14 +45,14 @@ from prefixgate.backends import cpu_attention
 _log = logging.getLogger(__name__)
 
 _ROWS_HINT = 8  # the row count oneDNN lays a weight out for; every other count of rows runs on that layout too
-# Every live packed layer by its number: the `prefixgate::packed_linear` operator takes the number, as a compiled step
-# cannot take oneDNN's opaque weight as an argument.
+# Every live layer packed for oneDNN by its number: the `prefixgate::packed_linear` operator takes the number, as a
+# compiled step cannot take oneDNN's opaque weight as an argument.
 _LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
 
 
 class PackedLinear(torch.nn.Module):
-    """A bias-optional linear layer computed from a weight laid out once: by the C kernel in float32 where it builds
+    """A bias-optional linear layer computed from a weight laid out once: by our kernel in float32 where it builds
     (as codes where the weight is exactly codes, see `block_codes`), by oneDNN otherwise."""
 
     def __init__(self, linear: torch.nn.Linear, *, codes: bool = True) -> None:
@@ -59,15 +61,18 @@ class PackedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         weight = linear.weight.detach()
-        library = _kernel() if weight.dtype == torch.float32 else None
-        # The C kernel's layouts (see cpu_linear.c), none of them parameters: float panels, or code panels with their
-        # scales and offsets, and the bias, by their names in its description of the weight, which points into them.
+        # The kernel's layouts (see cpu_linear.cpp), none of them parameters: float panels, or code panels with their
+        # scales and offsets, and the bias, by their names in its description of the weight, which points into them;
+        # the operator takes the description's address.
         self.layout: dict[str, torch.Tensor] = {}
-        self.described: ctypes._Pointer[_Weight] | None = None
+        self.described: _Weight | None = None
+        self.address = self.number = 0
         with torch.no_grad():
-            if library is None:
+            if weight.dtype != torch.float32 or not _kernel():
                 # oneDNN's opaque layout of the [out_features, in_features] weight
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+                self.number = next(_NUMBERS)
+                _LAYERS[self.number] = self
             else:
                 found = block_codes(weight) if codes else None
                 parts = zip(("codes", "scales", "offsets"), found, strict=True) if found else [("panels", weight)]
@@ -78,18 +83,21 @@ class PackedLinear(torch.nn.Module):
                 if self.bias is not None:
                     self.layout["bias"] = self.bias.detach().contiguous()
                 pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-                self.described = ctypes.pointer(_Weight(n=self.out_features, k=self.in_features, bits=bits, **pointers))
-        self.number = next(_NUMBERS)
-        _LAYERS[self.number] = self
+                self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, **pointers)
+                self.address = ctypes.addressof(self.described)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
-        out: torch.Tensor = torch.ops.prefixgate.packed_linear(x, self.number)
+        out: torch.Tensor
+        if self.described is None:
+            out = torch.ops.prefixgate.packed_linear(x, self.number)
+        else:
+            out = torch.ops.prefixgate.linear_panels(x, self.address, self.out_features)
         return out
 
 
 class _Weight(ctypes.Structure):
-    """cpu_linear.c's `struct prefixgate_linear_weight`."""
+    """cpu_linear.cpp's `struct prefixgate_linear_weight`."""
 
     _fields_ = [
         ("n", ctypes.c_int64),
@@ -103,23 +111,16 @@ class _Weight(ctypes.Structure):
     ]
 
 
-# A plain operator: `torch.library.custom_op`'s checks cost about 5 µs more a call, 1 ms a step of SmolLM2's 211 layers.
+# The operator of layers packed for oneDNN. A plain one: `torch.library.custom_op`'s checks cost about 5 µs more a call,
+# 1 ms a step of SmolLM2's 211 layers.
 _OPS = torch.library.Library("prefixgate", "FRAGMENT")  # type: ignore[no-untyped-call]
 _OPS.define("packed_linear(Tensor x, int number) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def _packed_linear(x: torch.Tensor, number: int) -> torch.Tensor:
     layer = _LAYERS[number]
-    if layer.described is None:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-        return out
-    assert x.dtype == torch.float32, "the C kernel packed this layer's float32 weight"  # it reads x as float32
-    x = x.contiguous()  # [..., in_features], read as rows
-    result = x.new_empty((*x.shape[:-1], layer.out_features))
-    kernel = _kernel()
-    assert kernel is not None  # it packed the layer
-    kernel.prefixgate_linear(layer.described, x.data_ptr(), x.numel() // layer.in_features, result.data_ptr())
-    return result
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    return out
 
 
 _OPS.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
@@ -130,7 +131,7 @@ def _(x: torch.Tensor, number: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _LAYERS[number].out_features))
 
 
-_BLOCK = 32  # values of k sharing a code's scale and offset, as in cpu_linear.c and GGUF's block formats
+_BLOCK = 32  # values of k sharing a code's scale and offset, as in cpu_linear.cpp and GGUF's block formats
 # How GGUF's block formats rebuild 32 weights as float32: w = d q + o, d (and o) a half-precision number, q a small
 # integer. (levels, offset): Q4_1 and Q5_1 span their block's least value to its greatest in 15 or 31 steps of d from
 # o; Q8_0, Q4_0 and Q5_0 have no offset, and the largest magnitude is 127, 8 or 16 steps of d.
@@ -190,7 +191,7 @@ def _rebuild(
 
 
 def _halves(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Code panels [n / 16][k][16] as the C kernel reads them, and their bits: two to a byte where every code is 0 to 15
+    """Code panels [n / 16][k][16] as the kernel reads them, and their bits: two to a byte where every code is 0 to 15
     (Q4_1's; [n / 16][k][8], column j in the low half of byte j and column j + 8 in the high half), else int8."""
     if int(codes.min()) < 0 or int(codes.max()) > 15:
         return codes, 8
@@ -199,7 +200,7 @@ def _halves(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _panels(part: torch.Tensor) -> torch.Tensor:
-    """Lay out a per-row tensor [n, columns] as the C kernel's panels [n / 16][columns][16] (zeros past n)."""
+    """Lay out a per-row tensor [n, columns] as the kernel's panels [n / 16][columns][16] (zeros past n)."""
     rows, columns = part.shape
     padded = part.new_zeros(((rows + 15) // 16 * 16, columns))
     padded[:rows] = part
@@ -262,24 +263,39 @@ def cpu_vendor() -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
 
 
-_SOURCE = Path(__file__).with_name("cpu_linear.c")
-_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma")
+_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20")
 
 
 @functools.cache
-def _kernel() -> ctypes.CDLL | None:
-    """Build (once per source) and load the float32 kernel; None, said once in the log, where it cannot run (it needs
-    what the attention kernel's float32 build needs: Linux on x86 with AVX2 and FMA, and a C compiler)."""
+def _kernel() -> bool:
+    """Build (once per source and torch) and load the float32 kernel's operator, `prefixgate::linear_panels`; say
+    whether it runs here (where it does not, said once in the log: it needs what the attention kernel's float32 build
+    needs, Linux on x86 with AVX2 and FMA, and a C++ compiler)."""
     why = cpu_attention.unavailable(torch.float32)
+    compiler = cpu_attention.cxx_compiler()
+    if why is None and compiler is None:
+        why = "needs a C++ compiler: none found as $CXX, c++ or g++"
     if why is None:
+        # Against this torch's headers and libraries, with its C++ ABI; its version names the build, as a new torch
+        # in the same place needs one of its own.
+        root = Path(torch.__file__).parent
+        abi = int(torch.compiled_with_cxx11_abi())
+        version = f"-DPREFIXGATE_TORCH={torch.__version__}"
+        flags = (*_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", version, f"-I{root / 'include'}")
+        libraries = (f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu")
         try:
-            library = ctypes.CDLL(str(cpu_attention.build((_SOURCE,), _FLAGS)))
-        except (OSError, subprocess.CalledProcessError) as error:
+            built = cpu_attention.build((_SOURCE,), flags, compiler=compiler, libraries=libraries)
+            torch.ops.load_library(built)  # type: ignore[no-untyped-call]
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
             why = f"building it failed ({cpu_attention.first_line(error)})"
         else:
-            pointer = ctypes.c_void_p
-            library.prefixgate_linear.argtypes = [ctypes.POINTER(_Weight), pointer, ctypes.c_int64, pointer]
-            _log.info("float32 linear layers run on the C kernel (AVX2 float32)")
-            return library
-    _log.info("float32 linear layers are prepacked for oneDNN: the C kernel %s", why)
-    return None
+            torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
+            _log.info("float32 linear layers run on the C++ kernel (AVX2 float32)")
+            return True
+    _log.info("float32 linear layers are prepacked for oneDNN: the C++ kernel %s", why)
+    return False
+
+
+def _linear_panels_shape(x: torch.Tensor, weight: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))

@@ -1,13 +1,13 @@
-"""A step's linear layers, alone: float32 on the C kernel's layouts against oneDNN's, SmolLM2's 211 layers.
+"""A step's linear layers, alone: float32 on the C++ kernel's layouts against oneDNN's, SmolLM2's 211 layers.
 
 Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about a minute). SmolLM2's linear layers in float32 (its 30
 layers' projections and MLPs, and the output projection), each packed three ways, are run one after another on random
-rows, as a step runs them: the weights come from memory each time. The ways: the C kernel's code panels (the weights
+rows, as a step runs them: the weights come from memory each time. The ways: the C++ kernel's code panels (the weights
 are the embedded GGUF's Q4_1 and Q8_0 blocks, held as their codes and rebuilt exactly as they are read, 115 MB;
-`backends/cpu_linear.c`), its float panels (540 MB), and oneDNN's layout as `packed_linear` makes it where the kernel
+`backends/cpu_linear.cpp`), its float panels (540 MB), and oneDNN's layout as `packed_linear` makes it where the kernel
 does not build. It prints the median time of all 211 for each row count, the three taking turns, and what reading the
 float weights once takes (a sum over a tensor of their size). Where the kernel does not build (it needs AVX2, FMA and
-a C compiler), it says so and stops.
+a C++ compiler), it says so and stops.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ def median_ms(runs: list[Callable[[], object]]) -> list[float]:
 
 
 def main() -> None:
-    if packed_linear._kernel() is None:
-        print("the float32 linear kernel does not build here (it needs AVX2, FMA and a C compiler); see the log")
+    if not packed_linear._kernel():
+        print("the float32 linear kernel does not build here (it needs AVX2, FMA and a C++ compiler); see the log")
         return
     backend = HFBackend.load("smollm2-135m", dtype="float32", prepack_weights=False, compile_steps=False)
     plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
     codes = [PackedLinear(linear) for linear in plain]
     floats = [PackedLinear(linear, codes=False) for linear in plain]
     real = packed_linear._kernel
-    packed_linear._kernel = lambda: None  # type: ignore[assignment]  # packs for oneDNN
+    packed_linear._kernel = lambda: False  # type: ignore[assignment]  # packs for oneDNN
     try:
         onednn = [PackedLinear(linear) for linear in plain]
     finally:
@@ -71,7 +71,7 @@ def main() -> None:
 
             times = median_ms([lambda: run(codes), lambda: run(floats), lambda: run(onednn)])
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
-    table(["rows", "C kernel, codes", "C kernel, floats", "oneDNN's layout", "reading the float weights"], rows)
+    table(["rows", "C++ kernel, codes", "C++ kernel, floats", "oneDNN's layout", "reading the float weights"], rows)
     backend.close()
 
 

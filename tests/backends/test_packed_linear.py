@@ -1,5 +1,5 @@
 """Prepacked linear layers: a model on a CPU computes what it computed before, from a layout made once (oneDNN's in
-bfloat16 where oneDNN computes it; on AMD's CPUs float32 in the C kernel's, or oneDNN's where that does not build)."""
+bfloat16 where oneDNN computes it; on AMD's CPUs float32 in the C++ kernel's, or oneDNN's where that does not build)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_a_packed_layer_gives_what_the_plain_one_gives(
 
 
 needs_float32_kernel = pytest.mark.skipif(
-    packed_linear._kernel() is None, reason="the float32 linear kernel does not build here (AVX2, FMA, a C compiler)"
+    not packed_linear._kernel(), reason="the float32 linear kernel does not build here (AVX2, FMA, a C++ compiler)"
 )
 
 
@@ -54,12 +54,25 @@ def test_float32_layers_run_on_the_c_kernel_where_it_builds_and_on_onednn_where_
 ) -> None:
     linear = torch.nn.Linear(64, 48)
     assert PackedLinear(linear).layout.keys() == {"panels", "bias"}
-    monkeypatch.setattr(packed_linear, "_kernel", lambda: None)
+    monkeypatch.setattr(packed_linear, "_kernel", lambda: False)
     onednn = PackedLinear(linear)
     assert onednn.described is None and not onednn.layout
     x = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(onednn(x), linear(x), atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
+
+
+@needs_float32_kernel
+def test_the_float32_kernels_operator_refuses_rows_it_cannot_take_and_says_what_it_takes() -> None:
+    layer = PackedLinear(torch.nn.Linear(64, 48))
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="takes rows of 64 values"):
+            layer(torch.randn(3, 32))
+        with pytest.raises(RuntimeError, match="takes float32 rows"):
+            layer(torch.randn(3, 64, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match="has 48 outputs, not 47"):
+            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), layer.address, 47)
+        assert layer(torch.randn(0, 64)).shape == (0, 48)  # no rows: no product, and an empty output
 
 
 GGUF_BLOCKS = [
@@ -139,10 +152,10 @@ def test_where_the_float32_kernel_cannot_be_built_the_log_says_why(
     if cpu_attention.unavailable(torch.float32) not in (None, "needs a C compiler: none found as $CC, cc or gcc"):
         pytest.skip(f"the kernel cannot run on this machine anyway: {cpu_attention.unavailable(torch.float32)}")
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
-    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
-        assert packed_linear._kernel.__wrapped__() is None
-    assert "float32 linear layers are prepacked for oneDNN: the C kernel building it failed" in caplog.text
+        assert packed_linear._kernel.__wrapped__() is False
+    assert "float32 linear layers are prepacked for oneDNN: the C++ kernel building it failed" in caplog.text
     assert not list(tmp_path.glob("*.so"))
 
 

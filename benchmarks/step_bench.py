@@ -26,8 +26,9 @@ from prefixgate.backends.packed_linear import PackedLinear
 CONTEXT = 40  # tokens each stream holds before its timed steps
 
 
-def python_operator() -> None:
-    """Define `benchmark::linear_in_python`: the kernel's operator called from an operator written in Python."""
+def python_operator() -> torch.library.Library:
+    """Define `benchmark::linear_in_python`: the kernel's operator called from an operator written in Python; return
+    its library, which must be kept (the definition lives as long as it)."""
     library = torch.library.Library("benchmark", "DEF")  # type: ignore[no-untyped-call]
     library.define("linear_in_python(Tensor x, int weight, int out_features) -> Tensor")  # type: ignore[no-untyped-call]
 
@@ -39,7 +40,7 @@ def python_operator() -> None:
     torch.library.register_fake("benchmark::linear_in_python")(  # type: ignore[untyped-decorator]
         lambda x, weight, out_features: x.new_empty((*x.shape[:-1], out_features))
     )
-    python_operator.library = library  # type: ignore[attr-defined]  # kept: the definition lives as long as it
+    return library
 
 
 class PythonLinear(torch.nn.Module):
@@ -87,8 +88,7 @@ def main() -> None:
         print("float32 weights are not prepacked on this CPU (AMD's x86 CPUs only), or the kernel does not build here")
         return
     ways = {"C++ operator": False} | ({"Python operator": True} if args.python_linear else {})
-    if args.python_linear:
-        python_operator()
+    defined = python_operator() if args.python_linear else None  # noqa: F841  # kept while the copies run
     with torch.inference_mode():
         runners = {name: load(python) for name, python in ways.items()}
         print(f"SmolLM2-135M-Instruct, float32 prepacked, compiled, {torch.get_num_threads()} threads\n")

@@ -6,8 +6,11 @@ loads SmolLM2 as a server does on a CPU that prepacks float32 weights (AMD's x86
 fastest step. With `--python-linear` a second copy of the model is compiled whose linear layers reach the same kernel
 through an operator written in Python (as every build did before `prefixgate::linear_panels` was C++), and the steps
 of the two take turns, so a machine whose speed drifts meets both alike: it adds the second copy's times and the
-median of the step-by-step ratio. Where float32 weights are not prepacked, or their kernel does not build (it needs
-AVX2, FMA and a C++ compiler), it says so and stops.
+median of the step-by-step ratio. With `--prefix N` every stream reads a shared prefix of N positions first (random
+K and V, one tensor read in place by all, as a tier lends a cached prefix). With `--profile` it also prints where a
+step's time goes: `torch.profiler` over 20 more steps of each count, the operators that took the most of it. Where
+float32 weights are not prepacked, or their kernel does not build (it needs AVX2, FMA and a C++ compiler), it says so
+and stops.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from batching_bench import table
+from torch.profiler import ProfilerActivity, profile
 
 from prefixgate.backends import HFBackend, packed_linear
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.packed_linear import PackedLinear
 
 CONTEXT = 40  # tokens each stream holds before its timed steps
+PROFILED = 20  # steps of each count `--profile` records
 
 
 def python_operator() -> torch.library.Library:
@@ -71,11 +77,34 @@ def load(python_linear: bool) -> tuple[HFBackend, ModelRunner]:
     return backend, runner
 
 
-def new_buffer(runner: ModelRunner) -> torch.Tensor:
+def new_buffer(
+    runner: ModelRunner, positions: int = 512, fill: Callable[..., torch.Tensor] = torch.zeros
+) -> torch.Tensor:
     config = runner.config
     head_dim = config.hidden_size // config.num_attention_heads
-    # buffer: [layers, 2, kv_heads, capacity, head_dim]
-    return torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads, 512, head_dim)
+    # buffer: [layers, 2, kv_heads, positions, head_dim]
+    return fill(config.num_hidden_layers, 2, config.num_key_value_heads, positions, head_dim)
+
+
+def decode(runner: ModelRunner, buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...]) -> None:
+    """Run decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each."""
+    held = shared[0].shape[3] if shared else 0
+    runner.run([StepInput([7 + i], kv, held + CONTEXT + at, held, shared) for i, kv in enumerate(buffers)])
+
+
+def profiled(
+    runner: ModelRunner, buffers: list[torch.Tensor], after: int, shared: tuple[torch.Tensor, ...]
+) -> list[list[str]]:
+    """Run `PROFILED` decode steps from step `after` under `torch.profiler`; return rows of the operators that took the
+    most time of them, by their own time (not counting the operators they called): milliseconds and calls a step."""
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        for at in range(after, after + PROFILED):
+            decode(runner, buffers, at, shared)
+    events = sorted(recorded.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    return [
+        [event.key[:60], f"{event.self_cpu_time_total / PROFILED / 1e3:.2f} ms", f"{event.count / PROFILED:g}"]
+        for event in events[:6]
+    ]
 
 
 def main() -> None:
@@ -83,6 +112,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--steps", type=int, default=80, help="timed steps of each count (after 10 not counted)")
     parser.add_argument("--python-linear", action="store_true", help="also a copy behind a Python operator")
+    parser.add_argument("--prefix", type=int, default=0, help="positions of a shared prefix every stream reads first")
+    parser.add_argument("--profile", action="store_true", help="also where a step's time goes, by operator")
     args = parser.parse_args()
     if not packed_linear.packs(torch.float32) or not packed_linear._kernel():
         print("float32 weights are not prepacked on this CPU (AMD's x86 CPUs only), or the kernel does not build here")
@@ -91,22 +122,27 @@ def main() -> None:
     defined = python_operator() if args.python_linear else None  # noqa: F841  # kept while the copies run
     with torch.inference_mode():
         runners = {name: load(python) for name, python in ways.items()}
-        print(f"SmolLM2-135M-Instruct, float32 prepacked, compiled, {torch.get_num_threads()} threads\n")
-        rows = []
+        print(f"SmolLM2-135M-Instruct, float32 prepacked, compiled, {torch.get_num_threads()} threads")
+        print(f"each stream on a shared prefix of {args.prefix} positions\n" if args.prefix else "")
+        (_, first), p = next(iter(runners.values())), args.prefix
+        shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
+        rows, profiles = [], []
         for count in args.streams:
             buffers = {name: [new_buffer(runner) for _ in range(count)] for name, (_, runner) in runners.items()}
             for name, (_, runner) in runners.items():
                 for buffer in buffers[name]:
-                    runner.run([StepInput(list(range(100, 100 + CONTEXT)), buffer, 0)])
+                    runner.run([StepInput(list(range(100, 100 + CONTEXT)), buffer, p, p, shared)])
             times: dict[str, list[float]] = {name: [] for name in runners}
-            for step in range(args.steps + 10):
-                order = list(runners.items()) if step % 2 else list(reversed(runners.items()))
-                for name, (_, runner) in order:
-                    inputs = [StepInput([7 + i], buffer, CONTEXT + step) for i, buffer in enumerate(buffers[name])]
+            for at in range(args.steps + 10):
+                for name in runners if at % 2 else reversed(runners):
                     start = time.perf_counter()
-                    runner.run(inputs)
-                    if step >= 10:
+                    decode(runners[name][1], buffers[name], at, shared)
+                    if at >= 10:
                         times[name].append(time.perf_counter() - start)
+            if args.profile:
+                for name, (_, runner) in runners.items():
+                    top = profiled(runner, buffers[name], args.steps + 10, shared)
+                    profiles += [[str(count), name, *row] for row in top]
             row = [str(count)]
             for name in runners:
                 row.append(f"{statistics.median(times[name]) * 1e3:.2f} ms ({min(times[name]) * 1e3:.2f})")
@@ -116,6 +152,9 @@ def main() -> None:
             rows.append(row)
         extra = ["Python / C++, step by step"] if args.python_linear else []
         table(["streams", *(f"{name}: median (fastest)" for name in runners), *extra], rows)
+        if profiles:
+            print(f"Where {PROFILED} more steps' time went, by operator (its own time, not its callees'):")
+            table(["streams", "linear layers", "operator", "a step", "calls a step"], profiles)
         for backend, _ in runners.values():
             backend.close()
 

@@ -8,8 +8,10 @@ and then attends. No cache object is passed to the model, so transformers neithe
 mask: this name is not registered for masks, and each request's causal (and sliding-window) mask is built here.
 The step reaches the layers through the thread that runs it (`packed_step`), not through the forward's arguments, and
 the work is one operator, `prefixgate::attend`: a compiled step (see `ModelRunner.compile`) traces the model around
-it and calls it as it is. Called outside a packed step (transformers' own `generate` on a model a backend has
-packed), it attends like SDPA.
+it and calls it as it is. On an x86 CPU where the C kernel runs (`cpu_attention.py`), the operator is C++
+(`cpu_attend.cpp`) and `packed_step` lays the step out for it once, for all its layers; elsewhere, and for what the
+kernel does not take, it is `prefixgate::attend_torch`, written here with torch's kernels. Called outside a packed
+step (transformers' own `generate` on a model a backend has packed), it attends like SDPA.
 
 A request may start from shared prefixes: KV that several running requests read in place (see `shared_prefix.py`).
 Its buffer then holds only what follows them, and its attention is split in parts that merge exactly by their
@@ -35,14 +37,15 @@ from prefixgate.backends import cpu_attention
 NAME = "prefixgate_packed"
 _SPLIT_TOKENS = 1024  # shared prefixes at least this long are attended in halves on a CPU (see _attend_prefix)
 _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions attends to them grouped (_attend_chunk)
-# Past this many runs of shared positions read by the same rows (a prefix the tier stored in pieces), they are copied
-# together each layer and attended in one call. Measured on SmolLM2 in bfloat16, 2 cores, a step of 8 streams on a 4k
-# prefix: 69 ms in one run, 76 in 4 and 97 in 16 attended one by one (a call and a merge each), 71 to 81 ms copied
-# together whatever their number (5 to 64).
+# Past this many runs of shared positions read by the same rows (a prefix the tier stored in pieces), torch's kernels
+# attend them copied together each layer, in one call. Measured on SmolLM2 in bfloat16, 2 cores, a step of 8 streams on
+# a 4k prefix: 69 ms in one run, 76 in 4 and 97 in 16 attended one by one (a call and a merge each), 71 to 81 ms copied
+# together whatever their number (5 to 64). The C kernel merges in place and attends each run in a call of its own:
+# 16 runs cost as much more as the copy did (eager steps, float32, 2 cores: 57.1 ms against 48.2 in one run; 60.4
+# against 51.3 copied together with the build before).
 _MOST_RUNS = 4
 _SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once
-# .batch: the PackedBatch this thread's model runs, inside `packed_step`; .plans: what its layers reuse, by name (the
-# C kernel's plans of its parts, laid out at the first layer; whether the kernel applies)
+# .batch: the PackedBatch this thread's model runs, inside `packed_step`
 _step = threading.local()
 
 
@@ -100,11 +103,16 @@ class PackedBatch:
 @contextmanager
 def packed_step(batch: PackedBatch) -> Iterator[None]:
     """Run the model's attention as this packed step, on this thread, inside the block."""
-    _step.batch, _step.plans = batch, {}
+    layout = _kernel_layout(batch) if cpu_attention.takes(batch.segments[0].kv) else None
+    _step.batch = batch
+    if layout is not None:
+        cpu_attention.set_step(layout)
     try:
         yield
     finally:
-        _step.batch, _step.plans = None, {}
+        _step.batch = None
+        if layout is not None:
+            cpu_attention.set_step(None)
 
 
 def packed_attention(
@@ -130,10 +138,11 @@ def packed_attention(
 # A plain operator, as `prefixgate::packed_linear` is: `torch.library.custom_op`'s wrapper cost about 7 µs more a call
 # (74 against 81 µs for one decoding request's layer, the two called in turn), and checks nothing this one needs.
 _OPS = torch.library.Library("prefixgate", "FRAGMENT")  # type: ignore[no-untyped-call]
-_OPS.define(  # type: ignore[no-untyped-call]
-    "attend(Tensor query, Tensor key, Tensor value, int layer, float scale, int? sliding_window, float? softcap)"
-    " -> Tensor"
-)
+for _name in ("attend", "attend_torch"):
+    _OPS.define(  # type: ignore[no-untyped-call]
+        f"{_name}(Tensor query, Tensor key, Tensor value, int layer, float scale, int? sliding_window,"
+        " float? softcap) -> Tensor"
+    )
 
 
 def _attend_step(
@@ -160,8 +169,6 @@ def _attend_step(
     if batch.shared and (sliding_window is not None or softcap):
         raise RuntimeError("shared prefixes need full attention without soft-capping; run such models unshared")
     # query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]
-    if sliding_window is None and not softcap and _kernel_applies(query, batch):
-        return _attend_with_kernel(query, key, value, batch, layer, scale)
     new = torch.stack((key[0], value[0]))  # new: [2, kv_heads, total, head_dim]
     outputs, lses = [], []
     # One pass per segment, kept to a few tensor operations: at 32 decoding streams this loop runs ~1,000 times a step.
@@ -201,41 +208,30 @@ def _attend_step(
     return out.transpose(1, 2).contiguous()  # [1, total, heads, head_dim]
 
 
-def _attend_with_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PackedBatch, layer: int, scale: float
-) -> torch.Tensor:
-    """The step where the C kernel attends (see `cpu_attention.py`): one call writes each segment's new K and V into
-    its buffer and attends its own positions, causally, then each shared prefix merges in, all into one output in place,
-    written where the step returns it, with no mask built and no part copied. Return `[1, total, heads, head_dim]`."""
-    _, heads, total, head_dim = query.shape
-    out = query.new_empty((1, total, heads, head_dim)).transpose(1, 2)  # out: [1, heads, total, head_dim]
-    lse = torch.full((1, heads, total), float("-inf"), device=query.device)  # nothing attended yet
-    plan = _step.plans.get("own")
-    if plan is None:
-        parts = []
-        for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
-            start = segment.start - segment.offset  # in the segment's own buffer
-            parts.append(cpu_attention.Part(begin, segment.length, segment.kv, start + segment.length, start))
-        plan = _step.plans["own"] = cpu_attention.Plan(parts)
-    cpu_attention.attend_parts(query, plan, layer, scale, out, lse, new=(key, value))
-    _add_shared_with_kernel(query, out, lse, batch.shared, layer, scale)
-    return out.transpose(1, 2)  # contiguous: out was made in this layout
+def _kernel_layout(batch: PackedBatch) -> cpu_attention.StepLayout:
+    """Lay the step out for the C kernel, once for all its layers (see `cpu_attention.StepLayout`)."""
+    parts = []
+    for segment, begin in zip(batch.segments, batch.cu_seqlens, strict=False):
+        start = segment.start - segment.offset  # in the segment's own buffer
+        parts.append(cpu_attention.Part(begin, segment.length, segment.kv, start + segment.length, start))
+    readers = []
+    for shared in batch.shared:
+        rows = shared.rows
+        first, count = (rows.start, rows.stop - rows.start) if isinstance(rows, slice) else (0, len(rows))
+        # A call a run, each merging into the rows what the one before left: in pieces, a prefix costs a call each.
+        runs = [cpu_attention.Part(first, count, run, run.shape[3]) for run in shared.kv]
+        readers.append(cpu_attention.Readers(cpu_attention.Plan(runs), None if isinstance(rows, slice) else rows))
+    return cpu_attention.StepLayout(cpu_attention.Plan(parts), readers)
 
 
-def _kernel_applies(query: torch.Tensor, batch: PackedBatch) -> bool:
-    """Say whether the C kernel attends this step (the same for each of its layers: asked once)."""
-    applies: bool | None = _step.plans.get("applies")
-    if applies is None:
-        applies = _step.plans["applies"] = cpu_attention.applies(query, batch.segments[0].kv[0])
-    return applies
+# Where `prefixgate::attend` in C++ is loaded (cpu_attend.cpp) it is the CPU's; it attends with the kernel the step laid
+# out and calls `attend_torch` for every other step. Elsewhere both are this one, with torch's kernels.
+for _name in ("attend", "attend_torch"):
+    _OPS.impl(_name, _attend_step, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
-
-_OPS.impl("attend", _attend_step, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-
-
-@torch.library.register_fake("prefixgate::attend")  # type: ignore[untyped-decorator]
-def _(query: torch.Tensor, *rest: object) -> torch.Tensor:
-    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+    @torch.library.register_fake(f"prefixgate::{_name}")  # type: ignore[untyped-decorator]
+    def _(query: torch.Tensor, *rest: object) -> torch.Tensor:
+        return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
 def attend_with_lse(
@@ -335,38 +331,6 @@ def _add_shared(
         out[:, :, rows] = merged
         lse[:, :, rows] = merged_lse
     return out
-
-
-def _add_shared_with_kernel(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    shared: tuple[SharedReaders, ...],
-    layer: int,
-    scale: float,
-) -> None:
-    """Attend each run of shared positions once for all its readers' queries with the C kernel, merged into their
-    rows of `out` and `lse` in place (read and written where they are when the rows are side by side)."""
-    for index, readers in enumerate(shared):
-        rows = readers.rows
-        if isinstance(rows, slice):
-            first, count, picked, own, own_lse = rows.start, rows.stop - rows.start, query, out, lse
-        else:
-            first, count = 0, len(rows)
-            picked, own, own_lse = query[:, :, rows], out[:, :, rows], lse[:, :, rows]
-        if len(readers.kv) > _MOST_RUNS:  # copied together each layer (see _runs): laid out for this layer alone
-            (kv,) = _runs(readers, layer)
-            plans, at = [cpu_attention.Plan([cpu_attention.Part(first, count, kv.unsqueeze(0), kv.shape[2])])], 0
-        else:
-            plans, at = _step.plans.get(index), layer
-            if plans is None:  # a plan a run: the runs' rows are the same, so each run is a call of its own
-                plans = _step.plans[index] = [
-                    cpu_attention.Plan([cpu_attention.Part(first, count, run, run.shape[3])]) for run in readers.kv
-                ]
-        for plan in plans:
-            cpu_attention.attend_parts(picked, plan, at, scale, own, own_lse)
-        if not isinstance(rows, slice):  # gathered copies: put them back
-            out[:, :, rows], lse[:, :, rows] = own, own_lse
 
 
 def _runs(readers: SharedReaders, layer: int) -> list[torch.Tensor]:

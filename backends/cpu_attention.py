@@ -7,17 +7,19 @@ each block of queries and reads the prefix at a fraction of the memory's speed t
 256 keys once a call and attends every query row to it: in bfloat16 products summed in float32 (the keys packed for AMX
 tiles where the CPU has AMX, for AVX-512 BF16 dot products elsewhere), or in float32 FMA products over the keys where
 they lie (`cpu_attention_f32.h`), so the call costs little more than reading the prefix. It merges its result into
-the attention the step holds for those rows, in place, so a step (`attention._attend_with_kernel`) makes one call per
-layer for every request's own positions (writing their new keys and values first; causal, with no mask built), then
-one per shared prefix, into one output, where it is returned. Measured on 2 cores, SmolLM2's 30 layers over a
-4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8 decoding streams) against
-16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 7.0 against 22.9 and 11.1 against 39.0
-(`benchmarks/attention_bench.py`; README, "Benchmarks").
+the attention the step holds for those rows, in place, so a step makes one call per layer for every request's own
+positions (writing their new keys and values first; causal, with no mask built), then one per run of shared
+positions, into one output, where it is returned. Those calls are a C++ operator's, `prefixgate::attend`
+(`cpu_attend.cpp`), built against torch as `packed_linear`'s is, so that a compiled step reaches the kernel with no
+Python between; the step is laid out for it once, here (`StepLayout`), for all its layers. Measured on 2 cores,
+SmolLM2's 30 layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8
+decoding streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 7.0 against 22.9 and 11.1
+against 39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 and float32 with one that is a multiple of 16 (at most
 256), on Linux x86 CPUs with the features of its build, for models without sliding windows or soft-capping. Each build
-is made once per source and CPU kind into `~/.cache/prefixgate/kernels` with `cc` (or `$CC`); where any of that is
-missing, `applies` says no and the step attends with torch's kernels, as before.
+is made once per source and CPU kind into `~/.cache/prefixgate/kernels` with `cc` (or `$CC`), the operator with `c++`
+(or `$CXX`); where any of that is missing, `takes` says no and the step attends with torch's kernels, as before.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ _AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 _F32_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-DFLOAT32")
 _F32_CPU_FLAGS = ("avx2", "fma")
 _DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # as in cpu_attention.c
+_OPERATOR_SOURCE = _SOURCE.with_name("cpu_attend.cpp")
+_OPERATOR_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
 
 
 def kernel_dir() -> Path:
@@ -57,9 +61,23 @@ def kernel_dir() -> Path:
 
 
 def prepare(dtype: torch.dtype) -> bool:
-    """Build and load the kernel for `dtype` now rather than in the first step that needs it (about a second, once per
-    source); say whether it runs here."""
-    return dtype in _DIM_MULTIPLE and _library(dtype) is not None
+    """Build and load the kernel for `dtype` and the step's operator now rather than in the first step that needs them
+    (about a second and 10 to 15 s, once per source); say whether steps in `dtype` attend with the kernel here."""
+    return dtype in _DIM_MULTIPLE and _library(dtype) is not None and _operator() is not None
+
+
+def takes(kv: torch.Tensor) -> bool:
+    """Say whether the kernel attends a packed step over buffers like `kv` (`[layers, 2, kv_heads, capacity, d]`):
+    through `StepLayout` and the step's C++ operator (see the module's docstring)."""
+    head_dim = kv.shape[-1]
+    return (
+        kv.device.type == "cpu"
+        and kv.dtype in _DIM_MULTIPLE
+        and head_dim % _DIM_MULTIPLE[kv.dtype] == 0
+        and head_dim <= 256
+        and kv.stride()[3:] == (head_dim, 1)
+        and prepare(kv.dtype)
+    )
 
 
 def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -180,6 +198,81 @@ def attend_parts(
         raise ValueError(f"the attention kernel does not take these sizes: {tuple(queries.shape)}, {shapes}")
 
 
+class Readers(NamedTuple):
+    """Shared positions the same rows of a step read: a plan with one part a run of them (the same rows in each); and
+    where those rows are not side by side in the step, their indices (`[count]`, int64 on the CPU), the parts then
+    placing them from row 0 of their gathered copy."""
+
+    plan: Plan
+    rows: torch.Tensor | None = None
+
+
+class StepLayout:
+    """A packed step laid out for `prefixgate::attend` in C++ (`cpu_attend.cpp`), which attends each of its layers
+    with the kernel: each request's own part (writing its new keys and values first), then each run of shared
+    positions into its readers' rows. Set it on the thread that runs the step with `set_step`."""
+
+    def __init__(self, own: Plan, readers: Sequence[Readers]) -> None:
+        plans = (own, *(r.plan for r in readers))
+        assert all((p.dtype, p.kv_heads, p.head_dim) == (own.dtype, own.kv_heads, own.head_dim) for p in plans)
+        library = _library(own.dtype)
+        assert library is not None and _operator() is not None, "StepLayout where takes() said no"
+        self.own, self.readers = own, tuple(readers)  # what the addresses below point into, alive as long as this
+        self._readers = (_Readers * len(readers))(*map(_Readers.of, readers))
+        self.laid_out = _Step(
+            kernel=ctypes.cast(library.prefixgate_attend_parts, ctypes.c_void_p).value,
+            bfloat16=int(own.dtype == torch.bfloat16),
+            kv_heads=own.kv_heads,
+            head_dim=own.head_dim,
+            layers=min(p.layers for p in plans),
+            parts=len(own.parts),
+            plans=ctypes.addressof(own.laid_out),
+            groups=len(readers),
+            readers=ctypes.addressof(self._readers),
+        )
+
+
+def set_step(layout: StepLayout | None) -> None:
+    """Have the calls of `prefixgate::attend` on this thread attend this step's layers (None: none, each call then
+    attends with torch's kernels)."""
+    operator = _operator()
+    assert operator is not None, "set_step where takes() said no"
+    operator.prefixgate_set_step(None if layout is None else ctypes.addressof(layout.laid_out))
+
+
+class _Readers(ctypes.Structure):
+    """cpu_attend.cpp's `struct prefixgate_readers`."""
+
+    _fields_ = [
+        ("count", ctypes.c_int64),
+        ("rows", ctypes.c_void_p),
+        ("runs", ctypes.c_int64),
+        ("plans", ctypes.c_void_p),
+    ]
+
+    @classmethod
+    def of(cls, readers: Readers) -> _Readers:
+        rows = None if readers.rows is None else readers.rows.data_ptr()
+        plan = readers.plan
+        return cls(plan.parts[0].length, rows, len(plan.parts), ctypes.addressof(plan.laid_out))
+
+
+class _Step(ctypes.Structure):
+    """cpu_attend.cpp's `struct prefixgate_step`."""
+
+    _fields_ = [
+        ("kernel", ctypes.c_void_p),
+        ("bfloat16", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("layers", ctypes.c_int64),
+        ("parts", ctypes.c_int64),
+        ("plans", ctypes.c_void_p),
+        ("groups", ctypes.c_int64),
+        ("readers", ctypes.c_void_p),
+    ]
+
+
 def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
     """Return a pointer to rows `[1, heads, count, d]` and their head and row strides (None, 0, 0 for none)."""
     return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(1), rows.stride(2))
@@ -207,6 +300,27 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
             failures.append(f"{loaded} ({name})")
         why = "; ".join(failures)
     _log.info("packed steps in %s attend with torch's kernels: the C kernel %s", _name(dtype), why)
+    return None
+
+
+@functools.cache
+def _operator() -> ctypes.CDLL | None:
+    """Build (once per source and torch) and load `prefixgate::attend` in C++ (`cpu_attend.cpp`); None, said once in
+    the log, where it cannot be built: steps then attend with torch's kernels."""
+    compiler = cxx_compiler()
+    why = "needs a C++ compiler: none found as $CXX, c++ or g++"
+    if compiler is not None:
+        try:
+            built = build_operator(_OPERATOR_SOURCE, _OPERATOR_FLAGS, compiler)
+            torch.ops.load_library(built)  # type: ignore[no-untyped-call]
+            library = ctypes.CDLL(str(built))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+            why = f"building it failed ({first_line(error)})"
+        else:
+            library.prefixgate_set_step.argtypes = [ctypes.c_void_p]
+            library.prefixgate_set_step.restype = None
+            return library
+    _log.info("packed steps attend with torch's kernels: the operator that calls the C kernel %s", why)
     return None
 
 
@@ -306,6 +420,17 @@ def build(
             subprocess.run(command, check=True, capture_output=True, text=True)
             os.replace(partial, target)
     return target
+
+
+def build_operator(source: Path, flags: tuple[str, ...], compiler: str) -> Path:
+    """Return the shared library of a torch operator's C++ `source` built with `flags` as `build` does, against this
+    torch's headers and libraries with its C++ ABI; its version names the build, as a new torch in the same place
+    needs one of its own (this module's operator, and `packed_linear`'s)."""
+    root = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    version = f"-DPREFIXGATE_TORCH={torch.__version__}"
+    flags = (*flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", version, f"-I{root / 'include'}")
+    return build((source,), flags, compiler=compiler, libraries=(f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu"))
 
 
 def first_line(error: BaseException) -> str:

@@ -277,15 +277,9 @@ def _kernel() -> bool:
     if why is None and compiler is None:
         why = "needs a C++ compiler: none found as $CXX, c++ or g++"
     if why is None:
-        # Against this torch's headers and libraries, with its C++ ABI; its version names the build, as a new torch
-        # in the same place needs one of its own.
-        root = Path(torch.__file__).parent
-        abi = int(torch.compiled_with_cxx11_abi())
-        version = f"-DPREFIXGATE_TORCH={torch.__version__}"
-        flags = (*_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", version, f"-I{root / 'include'}")
-        libraries = (f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu")
+        assert compiler is not None
         try:
-            built = cpu_attention.build((_SOURCE,), flags, compiler=compiler, libraries=libraries)
+            built = cpu_attention.build_operator(_SOURCE, _FLAGS, compiler)
             torch.ops.load_library(built)  # type: ignore[no-untyped-call]
         except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
             why = f"building it failed ({cpu_attention.first_line(error)})"

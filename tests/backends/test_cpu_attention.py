@@ -4,6 +4,8 @@ to float32 scores, optional."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -175,21 +177,39 @@ def test_each_heads_keys_are_split_into_runs_by_the_threads_and_merged_exactly(
     torch.testing.assert_close(out.double(), expected, **close(dtype))
 
 
+@contextmanager
+def operators_called() -> Iterator[set[str]]:
+    """Profile the block; give the names of the `prefixgate` operators it called, once it ends."""
+    called: set[str] = set()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        yield called
+    called.update(event.key for event in profiled.events() if event.key.startswith("prefixgate::"))
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
-def test_a_shared_prefix_is_attended_by_the_kernel_as_by_torchs(dtype: torch.dtype) -> None:
+def test_a_step_on_a_shared_prefix_attends_with_the_kernel_as_with_torchs(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    prefix = torch.randn(1, 2, 3, 2048, 64).to(dtype)  # [layers, 2, kv_heads, positions, head_dim]
-    query = torch.randn(1, 9, 6, 64).to(dtype)
-    out, lse = torch.randn(1, 9, 6, 64).to(dtype), torch.randn(1, 9, 6)  # the rows' own attention
-    for rows in (slice(1, 4), torch.tensor([0, 2, 5])):  # readers side by side, and not
-        readers = (attention_module.SharedReaders((prefix,), rows),)
-        merged, merged_lse = out.clone(), lse.clone()
-        with attention_module.packed_step(attention_module.PackedBatch((), (0,), readers)):  # a step of its own
-            attention_module._add_shared_with_kernel(query, merged, merged_lse, readers, 0, 0.125)
-        flash = attention_module._add_shared(query, out.clone(), lse.clone(), readers, 0, 0.125)
-        torch.testing.assert_close(merged, flash, **close(dtype))
-        others = [i for i in range(6) if i not in torch.arange(6)[rows].tolist()]
-        assert torch.equal(merged[:, :, others], out[:, :, others])  # rows that do not read it are left alone
+    prefix = torch.randn(2, 2, 3, 2048, 64).to(dtype)  # prefix: [layers, 2, kv_heads, positions, head_dim]
+    buffers = torch.randn(3, 2, 2, 3, 64, 64).to(dtype)  # each request's own: [layers, 2, kv_heads, capacity, d]
+    query = torch.randn(1, 9, 6, 64).to(dtype)  # 3 requests of 2 new tokens each
+    key, value = torch.randn(2, 1, 3, 6, 64).to(dtype)
+    for readers in ((0, 1), (0, 2)):  # the requests reading the prefix side by side in the step, and not
+        outputs, written, called = {}, {}, {}
+        for operator in ("attend", "attend_torch"):
+            own = buffers.clone()
+            segments = tuple(
+                attention_module.Segment(own[i], 2048 + 20, 2, 2048, (prefix,))
+                if i in readers
+                else attention_module.Segment(own[i], 20, 2)
+                for i in range(3)
+            )
+            batch = attention_module.PackedBatch.of(segments)
+            with attention_module.packed_step(batch), operators_called() as called[operator]:
+                outputs[operator] = getattr(torch.ops.prefixgate, operator)(query, key, value, 1, 0.125, None, None)
+            written[operator] = own
+        assert "prefixgate::attend_torch" not in called["attend"]  # the kernel attended it, in the C++ operator
+        torch.testing.assert_close(outputs["attend"], outputs["attend_torch"], **close(dtype))
+        assert torch.equal(written["attend"], written["attend_torch"])  # the new keys and values, where they belong
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
@@ -207,21 +227,20 @@ async def test_requests_on_a_shared_prefix_give_the_tokens_they_give_alone(
     prompt = make_prompt(60)
     alone = (await collect(backend, prompt)).token_ids
     blocks = await prefix_blocks(backend, prompt)
-    attend, shared_keys, own_calls = cpu_attention.attend_parts, [], []
+    lay_out, layouts = attention_module._kernel_layout, []
 
-    def counted(queries: torch.Tensor, plan: cpu_attention.Plan, *rest: Any, **named: Any) -> None:
-        for part in plan.parts:
-            if part.causal_from is None:
-                shared_keys.append(part.tokens)
-            else:
-                own_calls.append(part.causal_from)
-        attend(queries, plan, *rest, **named)
+    def recorded(batch: attention_module.PackedBatch) -> cpu_attention.StepLayout:
+        layouts.append(lay_out(batch))
+        return layouts[-1]
 
-    monkeypatch.setattr(cpu_attention, "attend_parts", counted)
+    monkeypatch.setattr(attention_module, "_kernel_layout", recorded)
     assert await run_shared(backend, prompt, blocks[:6]) == alone
-    # Every step, over the 6 shared blocks, which `start_shared` lends as two runs of 3 blocks each, and over the
-    # request's own positions.
-    assert shared_keys and set(shared_keys) == {3 * 8} and len(own_calls) == len(shared_keys) // 2
+    # Every step laid out for the kernel: the request's own positions, and the 6 shared blocks, which `start_shared`
+    # lends as two runs of 3 blocks each.
+    assert layouts and all(len(layout.own.parts) == 1 for layout in layouts)
+    assert [[part.tokens for part in readers.plan.parts] for layout in layouts for readers in layout.readers] == [
+        [3 * 8, 3 * 8]
+    ] * len(layouts)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
@@ -242,15 +261,14 @@ def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and
         if not kernel:
             monkeypatch.setattr(cpu_attention, "_library", lambda dtype: None)
         own, whole = torch.zeros(shape, dtype=dtype), first.clone()
-        with torch.inference_mode():
+        steps = [
             # A prompt chunk after the prefix, then a decode step, of each at once.
-            chunk = runner.run(
-                [StepInput(prompt[256:299], own, 256, 256, (prefix,)), StepInput(prompt[256:299], whole, 256)]
-            )
-            decode = runner.run(
-                [StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)]
-            )
-        logits[kernel] = torch.cat((chunk, decode))
+            [StepInput(prompt[256:299], own, 256, 256, (prefix,)), StepInput(prompt[256:299], whole, 256)],
+            [StepInput(prompt[299:], own, 299, 256, (prefix,)), StepInput(prompt[299:], whole, 299)],
+        ]
+        with torch.inference_mode(), operators_called() as called:
+            logits[kernel] = torch.cat([runner.run(step) for step in steps])
+        assert ("prefixgate::attend_torch" in called) is not kernel  # the C++ operator's kernel, or torch's
     # In bfloat16 the paths round at different places: a few of its units at the logits' size (on a shared prefix
     # torch's flash kernel lands 2.5 units from one buffer here, the C kernel 2.25). In float32, as the shared prefix's
     # tests hold torch's kernels to one buffer.
@@ -266,6 +284,29 @@ def test_dtypes_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:
     assert not cpu_attention.applies(torch.randn(1, 3, 4, 8), torch.randn(2, 3, 64, 8))
     assert not cpu_attention.applies(torch.randn(1, 3, 4, 64), torch.randn(2, 3, 64, 64).bfloat16())
     assert not cpu_attention.prepare(torch.float16)
+    assert not cpu_attention.takes(torch.randn(1, 2, 3, 64, 64).half())  # buffers: [layers, 2, kv_heads, capacity, d]
+    assert not cpu_attention.takes(torch.randn(1, 2, 3, 64, 8))
+    assert not cpu_attention.takes(torch.randn(1, 2, 3, 64, 128)[..., :64])  # rows of d not contiguous
+
+
+def test_without_a_cxx_compiler_steps_attend_with_torchs_kernels_and_the_log_says_why(
+    tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        assert cpu_attention._operator.__wrapped__() is None
+    assert "packed steps attend with torch's kernels: the operator that calls the C kernel needs a C++ compiler" in (
+        caplog.text
+    )
+    monkeypatch.setattr(cpu_attention, "_operator", lambda: None)
+    assert not cpu_attention.prepare(torch.float32) and not cpu_attention.takes(torch.zeros(1, 2, 2, 8, 64))
+    monkeypatch.setattr(attention_module, "_kernel_layout", lambda batch: pytest.fail("a step laid out for the kernel"))
+    model = make_llama(tokenizer, head_dim=64)
+    model.set_attn_implementation(attention_module.NAME)
+    with torch.inference_mode():
+        logits = ModelRunner(model).run([StepInput(make_prompt(20), torch.zeros(2, 2, 2, 32, 64), 0)])
+    assert logits.isfinite().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_NAME)

@@ -207,7 +207,7 @@ def test_a_chunk_after_a_long_context_attends_to_it_grouped_as_one_call_would(
     torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("runs", [1, 3, attention_module._MOST_RUNS + 4])  # the last: copied together each layer
+@pytest.mark.parametrize("runs", [1, 3, attention_module._MOST_RUNS + 4])  # the last: copied together by torch
 def test_a_prefix_lent_in_runs_is_attended_as_one(runs: int, attention_path: str) -> None:
     torch.manual_seed(0)
     heads, kv_heads, head_dim, shared, own = 4, 2, 16, 60, 5

@@ -20,7 +20,7 @@ import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from prefixgate.backends import cpu_attention, sequence
+from prefixgate.backends import cpu_attention, packed_linear, sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
 from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
@@ -30,7 +30,6 @@ from prefixgate.backends.kv_buffers import KVBuffers, KVReservation
 from prefixgate.backends.kv_cache import check_blocks, geometry_from_config, reuse_refusal, sharing_refusal
 from prefixgate.backends.model_resolver import resolve_model
 from prefixgate.backends.model_runner import ModelRunner, StepInput
-from prefixgate.backends.packed_linear import prepack_linear_weights
 from prefixgate.backends.sampler import Sampler
 from prefixgate.backends.scheduler import Scheduler, StepCosts
 from prefixgate.backends.sequence import Decoding, SequencePlan
@@ -105,6 +104,11 @@ class HFBackend:
                 f"max_running must be at least 1 and max_waiting at least 0, got {max_running}, {max_waiting}"
             )
         model.eval()  # type: ignore[no-untyped-call]
+        # At a first start the linear layers' kernel builds beside the attention's (10 to 15 s each on 2 cores): in a
+        # thread of its own, which computes nothing with torch (see prefixgate/threads.py), joined before packing.
+        linear_kernel = threading.Thread(target=packed_linear.prepare, args=(model,), name="prefixgate-build")
+        if prepack_weights:
+            linear_kernel.start()
         self.model_id = model_id
         self.context_length = context_length or _context_length(model, tokenizer)
         self.max_prompt_chars = _max_prompt_characters(tokenizer, self.context_length)
@@ -146,7 +150,9 @@ class HFBackend:
         )
         # Last: the fingerprint and the step costs read the weights as parameters, which packed ones are not (they
         # compute the same).
-        self.prepacked = prepack_linear_weights(model) if prepack_weights else 0
+        if prepack_weights:
+            linear_kernel.join()
+        self.prepacked = packed_linear.prepack_linear_weights(model) if prepack_weights else 0
         self._worker = Worker(
             self._runner,
             scheduler,

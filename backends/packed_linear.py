@@ -237,6 +237,14 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     return len(packed)
 
 
+def prepare(model: torch.nn.Module) -> None:
+    """Build and load the float32 kernel now where `prepack_linear_weights` will pack this model's layers for it
+    (10 to 15 s at a first start, once per source and torch); runs no torch kernel, so any thread may call it."""
+    weight = next(model.parameters(), None)
+    if applies(model) and weight is not None and weight.dtype == torch.float32:
+        _kernel()
+
+
 def applies(model: torch.nn.Module) -> bool:
     """Say whether `prepack_linear_weights` would pack this model's layers."""
     weight = next(model.parameters(), None)

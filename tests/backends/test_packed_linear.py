@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +210,34 @@ def test_models_this_cpu_does_not_pack_and_backends_built_without_it_stay_unpack
     assert applies(llama) is packs(torch.float32)
     backend: HFBackend = make_backend(copy.deepcopy(llama))
     assert backend.prepacked == 0
+
+
+def test_a_backend_builds_the_linear_kernel_beside_the_attentions_and_packs_once_it_is_built(
+    llama: PreTrainedModel, make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built_on, packed_after = [], []  # the thread that built it; whether packing came after the build ended
+    attention_building = threading.Event()
+    prepare_attention = cpu_attention.prepare
+
+    def attention(dtype: torch.dtype) -> bool:
+        attention_building.set()
+        return prepare_attention(dtype)
+
+    def prepare(model: torch.nn.Module) -> None:
+        # Ends only once the attention's build has begun: were the two built one after the other, it never would.
+        assert attention_building.wait(timeout=60)
+        built_on.append(threading.current_thread().name)
+
+    def prepack(model: torch.nn.Module) -> int:
+        packed_after.append(bool(built_on))
+        return pack(model)
+
+    pack = packed_linear.prepack_linear_weights
+    monkeypatch.setattr(cpu_attention, "prepare", attention)
+    monkeypatch.setattr(packed_linear, "prepare", prepare)
+    monkeypatch.setattr(packed_linear, "prepack_linear_weights", prepack)
+    make_backend(copy.deepcopy(llama), prepack_weights=True)
+    assert built_on == ["prefixgate-build"] and packed_after == [True]
 
 
 @on_packing_cpus

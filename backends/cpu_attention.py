@@ -70,14 +70,7 @@ def takes(kv: torch.Tensor) -> bool:
     """Say whether the kernel attends a packed step over buffers like `kv` (`[layers, 2, kv_heads, capacity, d]`):
     through `StepLayout` and the step's C++ operator (see the module's docstring)."""
     head_dim = kv.shape[-1]
-    return (
-        kv.device.type == "cpu"
-        and kv.dtype in _DIM_MULTIPLE
-        and head_dim % _DIM_MULTIPLE[kv.dtype] == 0
-        and head_dim <= 256
-        and kv.stride()[3:] == (head_dim, 1)
-        and prepare(kv.dtype)
-    )
+    return _sizes_fit(kv, head_dim) and kv.stride()[3:] == (head_dim, 1) and prepare(kv.dtype)
 
 
 def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -85,15 +78,18 @@ def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
     `[2, kv_heads, tokens, d]` (see the module's docstring)."""
     head_dim = queries.shape[-1]
     return (
-        queries.device.type == "cpu"
+        _sizes_fit(queries, head_dim)
         and queries.dtype == kv.dtype
-        and queries.dtype in _DIM_MULTIPLE
-        and head_dim % _DIM_MULTIPLE[queries.dtype] == 0
-        and head_dim <= 256
         and kv.shape[2] > 0
         and kv.stride()[2:] == (head_dim, 1)
         and _library(queries.dtype) is not None
     )
+
+
+def _sizes_fit(x: torch.Tensor, head_dim: int) -> bool:
+    """Say whether the kernel takes `x`'s device and dtype with heads of `head_dim` (see the module's docstring)."""
+    multiple = _DIM_MULTIPLE.get(x.dtype)
+    return x.device.type == "cpu" and multiple is not None and head_dim % multiple == 0 and head_dim <= 256
 
 
 def attend_into(
@@ -308,7 +304,7 @@ def _operator() -> ctypes.CDLL | None:
     """Build (once per source and torch) and load `prefixgate::attend` in C++ (`cpu_attend.cpp`); None, said once in
     the log, where it cannot be built: steps then attend with torch's kernels."""
     compiler = cxx_compiler()
-    why = "needs a C++ compiler: none found as $CXX, c++ or g++"
+    why = NO_CXX_COMPILER
     if compiler is not None:
         try:
             built = build_operator(_OPERATOR_SOURCE, _OPERATOR_FLAGS, compiler)
@@ -393,6 +389,9 @@ def _name(dtype: torch.dtype) -> str:
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+NO_CXX_COMPILER = "needs a C++ compiler: none found as $CXX, c++ or g++"  # why a C++ operator is not built
 
 
 def cxx_compiler() -> str | None:

@@ -106,8 +106,9 @@ class HFBackend:
         model.eval()  # type: ignore[no-untyped-call]
         # At a first start the linear layers' kernel builds beside the attention's (10 to 15 s each on 2 cores): in a
         # thread of its own, which computes nothing with torch (see prefixgate/threads.py), joined before packing.
-        linear_kernel = threading.Thread(target=packed_linear.prepare, args=(model,), name="prefixgate-build")
+        linear_kernel = None
         if prepack_weights:
+            linear_kernel = threading.Thread(target=packed_linear.prepare, args=(model,), name="prefixgate-build")
             linear_kernel.start()
         self.model_id = model_id
         self.context_length = context_length or _context_length(model, tokenizer)
@@ -150,9 +151,10 @@ class HFBackend:
         )
         # Last: the fingerprint and the step costs read the weights as parameters, which packed ones are not (they
         # compute the same).
-        if prepack_weights:
+        self.prepacked = 0
+        if linear_kernel is not None:
             linear_kernel.join()
-        self.prepacked = packed_linear.prepack_linear_weights(model) if prepack_weights else 0
+            self.prepacked = packed_linear.prepack_linear_weights(model)
         self._worker = Worker(
             self._runner,
             scheduler,

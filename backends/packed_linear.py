@@ -283,7 +283,7 @@ def _kernel() -> bool:
     why = cpu_attention.unavailable(torch.float32)
     compiler = cpu_attention.cxx_compiler()
     if why is None and compiler is None:
-        why = "needs a C++ compiler: none found as $CXX, c++ or g++"
+        why = cpu_attention.NO_CXX_COMPILER
     if why is None:
         assert compiler is not None
         try:

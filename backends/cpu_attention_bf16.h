@@ -45,6 +45,20 @@ static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finit
     return _mm512_scalef_ps(p, n);
 }
 
+/* 2^t for probabilities that are rounded to bfloat16 next (a relative step of 3.9e-3): a quartic, within 2.7e-6 of it for
+   t <= 0 (0 below -150), is enough, and 2 products fewer than exp2_512's. Measured on 2 cores with AMX, SmolLM2's 30
+   layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against 156, 16 decoding streams 12.4
+   against 12.6 to 13.0. */
+static inline __m512 exp2_bf16_512(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.5605198e-3f), f, _mm512_set1_ps(5.5917123e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024982f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312196f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999919f));
+    return _mm512_scalef_ps(p, n);
+}
+
 static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
@@ -303,9 +317,9 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
             __m512 e[2];
             for (int j = 0; j < 2; j++) {
                 const int64_t at = i + 16 * j;
-                if (at + 16 <= visible) e[j] = exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift));
+                if (at + 16 <= visible) e[j] = exp2_bf16_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift));
                 else if (at < visible)
-                    e[j] = _mm512_maskz_mov_ps(tail, exp2_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift)));
+                    e[j] = _mm512_maskz_mov_ps(tail, exp2_bf16_512(_mm512_fmadd_ps(_mm512_load_ps(row + at), factor, shift)));
                 else e[j] = _mm512_setzero_ps();
             }
             total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -59,6 +60,13 @@ class Stream:
         """Return the gaps between consecutive pieces that both arrived within [start, end]."""
         inside = [t for t in self.arrivals if start <= t <= end]
         return [b - a for a, b in itertools.pairwise(inside)]
+
+
+def own_prefixgate() -> str:
+    """Return the `prefixgate` executable beside this Python, or the one on PATH where there is none beside it (an
+    install with `pip install --target`, say)."""
+    beside = Path(sys.executable).parent / "prefixgate"
+    return str(beside) if beside.exists() else shutil.which("prefixgate") or str(beside)
 
 
 @dataclass(frozen=True)
@@ -270,7 +278,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each stream count")
     parser.add_argument("--running", type=int, nargs="*", default=[1, 4, 8], help="streams beside the long prompt")
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve` (table 2)")
-    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    parser.add_argument("--prefixgate", default=own_prefixgate())
     args = parser.parse_args()
     import torch
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_bench import MODEL, served, table
+from batching_bench import MODEL, own_prefixgate, served, table
 
 LIMIT = 16 << 20
 
@@ -60,7 +60,7 @@ async def measure(url: str, raw: bytes) -> tuple[float, int, list[float]]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    parser.add_argument("--prefixgate", default=own_prefixgate())
     args = parser.parse_args()
     rows = []
     async with served(args.prefixgate, "--max-body-bytes", "16MiB") as server:

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_bench import rate, served, stream, streams_options, table
+from batching_bench import own_prefixgate, rate, served, stream, streams_options, table
 
 TOKENS = 64
 WAYS: dict[str, dict[str, Any]] = {
@@ -44,7 +44,7 @@ async def run(url: str, streams: int, fields: dict[str, Any]) -> float:
 
 async def main() -> None:
     args = streams_options(__doc__)
-    executable = str(Path(sys.executable).parent / "prefixgate")
+    executable = own_prefixgate()
     print(f"SmolLM2-135M-Instruct, CPU, {os.cpu_count()} cores; {args.streams} streams of {TOKENS} tokens; {args.flag}")
     async with served(executable, *args.flag) as server:
         await run(server.url, args.streams, WAYS["temperature 1"])  # warm up: buffers, the first steps

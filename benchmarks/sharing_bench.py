@@ -34,12 +34,11 @@ import math
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
-from batching_bench import MODEL, STREAM_TOKENS, Stream, launched, served, table
+from batching_bench import MODEL, STREAM_TOKENS, Stream, launched, own_prefixgate, served, table
 
 _TEXT = re.compile(rb'"content": ?"(?!")')  # a chunk with text
 _CACHED = re.compile(rb'"cached_tokens": ?(\d+)')
@@ -187,7 +186,7 @@ async def main() -> None:
     parser.add_argument("--streams", type=int, nargs="*", default=[8, 16])
     parser.add_argument("--memory-streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="measures of each row, their median printed")
-    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    parser.add_argument("--prefixgate", default=own_prefixgate())
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable, run instead of prefixgate")
     parser.add_argument("--gguf", help="the model file llama-server runs")

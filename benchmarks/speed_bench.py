@@ -22,10 +22,9 @@ import asyncio
 import contextlib
 import os
 import statistics
-import sys
 from pathlib import Path
 
-from batching_bench import Served, launched, served, table
+from batching_bench import Served, launched, own_prefixgate, served, table
 from sharing_bench import decode_rate, first_tokens, system_prompt
 
 PREFIX_TOKENS = 4096
@@ -61,7 +60,7 @@ def llama_server(executable: str, gguf: str) -> contextlib.AbstractAsyncContextM
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefixgate", default=str(Path(sys.executable).parent / "prefixgate"))
+    parser.add_argument("--prefixgate", default=own_prefixgate())
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable")
     parser.add_argument("--gguf", action="append", default=[], help="a model file for llama-server (repeat it)")
     args = parser.parse_args()

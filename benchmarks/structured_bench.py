@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_bench import Stream, rate, served, stream, streams_options, table
+from batching_bench import Stream, own_prefixgate, rate, served, stream, streams_options, table
 
 TOKENS = 64
 SCHEMA = {
@@ -49,7 +49,7 @@ async def run(url: str, streams: int, constrained: list[bool]) -> tuple[float, f
 
 async def main() -> None:
     args = streams_options(__doc__)
-    executable = str(Path(sys.executable).parent / "prefixgate")
+    executable = own_prefixgate()
     ways = {
         "plain text": [False] * args.streams,
         "JSON schema": [True] * args.streams,

@@ -1,13 +1,13 @@
 """What a served decode step costs the host: prefixgate's step against transformers' own forward, on any device.
 
-Run by hand: `.venv/bin/python benchmarks/launch_bench.py` (about a minute on a GPU, a few on 2 cores);
-`benchmarks/gpu_check.sh` runs it on a GPU. It loads SmolLM2 as `prefixgate serve` does on this machine (its dtype,
+Run by hand: `.venv/bin/python benchmarks/launch_bench.py` (about 2.5 minutes on 2 cores); `benchmarks/gpu_check.sh`
+runs it on a GPU, with 2 minutes to finish. It loads SmolLM2 as `prefixgate serve` does on this machine (its dtype,
 device and compile setting; `--compile` to choose), decodes `--streams` concurrent requests of 48 tokens through the
 backend, and times the steps in which every stream decodes (median). Beside each, one decode step of transformers' own
-forward on the same weights at the same batch (an unpatched model, its own cache, eager). Then `torch.profiler` over
-the 8-stream run: per step, the kernel launches (on CUDA) or operator calls (on a CPU), the time the GPU was busy, and
-the operators that took the most host time. On a GPU whose host is slow to launch kernels, the step's rate is the
-launches', not the GPU's.
+forward on the same weights at the same batch (an unpatched model, its own cache, eager). Then `torch.profiler` over the
+8-stream run: per step, the kernel launches (on CUDA) or operator calls (on a CPU), the time the GPU was busy, and the
+operators that took the most host time. On a GPU whose host is slow to launch kernels, the step's rate is the launches',
+not the GPU's.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from batching_bench import table
+from batching_bench import MODEL, table
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from prefixgate.backends import HFBackend, SamplingParams, StepRecord, resolve_model
 
-MODEL = "smollm2-135m"
 PROMPT = 40  # tokens of each stream's prompt
 PARAMS = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")

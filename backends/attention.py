@@ -185,7 +185,7 @@ def _attend_step(
             and start - low >= _GROUPED_CONTEXT
             and sliding_window is None
             and not softcap
-            and query.device.type == "cpu"  # elsewhere attend_with_lse is plain matrix products (_attend_exactly)
+            and query.device.type == "cpu"  # the grouping was measured against a CPU's kernels only
         ):
             out, lse = _attend_chunk(queries, stored[:, :, low:start], stored[:, :, start:end], start, scale)
         else:
@@ -246,14 +246,43 @@ def attend_with_lse(
             queries, keys, values, 0.0, False, attn_mask=additive, scale=scale
         )
         return out, lse.float()
+    if queries.device.type == "cuda":
+        return _attend_fused(queries, keys, values, mask, scale)
     return _attend_exactly(queries, keys, values, mask, scale)
+
+
+def _attend_fused(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend as `attend_with_lse` does, on CUDA: one launch of torch's memory-efficient kernel, which returns the
+    log-sum-exp, where `_attend_exactly` makes about a dozen. A step runs this once a layer for each request that reads
+    a shared prefix, and on a GPU a step's time is its launches (benchmarks/launch_bench.py).
+
+    Query heads are grouped by the KV head they read, as `_attend_exactly` groups them, so the kernel sees as many
+    heads in the queries as in the keys; a mask becomes scores to add, its rows repeated for each group.
+    """
+    _, heads, count, head_dim = queries.shape
+    kv_heads, seen = keys.shape[1], keys.shape[2]
+    rows = heads // kv_heads * count
+    grouped = queries.reshape(1, kv_heads, rows, head_dim)
+    bias = None
+    if mask is not None:
+        # The kernel reads the bias in aligned rows: each a multiple of 16 elements apart, the tail unread.
+        stride = -(-seen // 16) * 16
+        bias = torch.zeros((rows, stride), dtype=queries.dtype, device=queries.device)[:, :seen]
+        bias.masked_fill_(~mask.repeat(rows // count, 1), float("-inf"))
+        bias = bias.expand(1, kv_heads, rows, seen)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        grouped, keys, values, bias, True, scale=scale
+    )  # lse: [1, kv_heads, rows rounded up to 32], float32
+    return out.reshape(1, heads, count, head_dim), lse[:, :, :rows].reshape(1, heads, count)
 
 
 def _attend_exactly(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend as `attend_with_lse` does, in plain matrix products: on any device (used where no fused kernel
-    returning the log-sum-exp is called, and as the reference the tests hold the kernel to).
+    returning the log-sum-exp is called, and as the reference the tests hold the kernels to).
 
     Query heads are grouped by the KV head they read, as rows of one matrix per KV head, so K and V are never copied
     per query head; and the float32 scores are made for a slice of the queries at a time, at most `_SCORES_BYTES`, so a

@@ -1,13 +1,13 @@
 """What a served decode step costs the host: prefixgate's step against transformers' own forward, on any device.
 
 Run by hand: `.venv/bin/python benchmarks/launch_bench.py` (about 2.5 minutes on 2 cores); `benchmarks/gpu_check.sh`
-runs it on a GPU, with 2 minutes to finish. It loads SmolLM2 as `prefixgate serve` does on this machine (its dtype,
-device and compile setting; `--compile` to choose), decodes `--streams` concurrent requests of 48 tokens through the
-backend, and times the steps in which every stream decodes (median). Beside each, one decode step of transformers' own
-forward on the same weights at the same batch (an unpatched model, its own cache, eager). Then `torch.profiler` over the
-8-stream run: per step, the kernel launches (on CUDA) or operator calls (on a CPU), the time the GPU was busy, and the
-operators that took the most host time. On a GPU whose host is slow to launch kernels, the step's rate is the launches',
-not the GPU's.
+runs it on a GPU, with 3 minutes to finish (it took about 2.5 on an H200 whose host was slow to launch kernels). It
+loads SmolLM2 as `prefixgate serve` does on this machine (its dtype, device and compile setting; `--compile` to choose),
+decodes `--streams` concurrent requests of 48 tokens through the backend, and times the steps in which every stream
+decodes (median). Beside each, one decode step of transformers' own forward on the same weights at the same batch (an
+unpatched model, its own cache, eager). Then `torch.profiler` over the 8-stream run: per step, the kernel launches (on
+CUDA) or operator calls (on a CPU), the time the GPU was busy, and the operators that took the most host time. On a GPU
+whose host is slow to launch kernels, the step's rate is the launches', not the GPU's.
 """
 
 from __future__ import annotations

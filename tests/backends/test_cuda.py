@@ -1,5 +1,6 @@
 """On a GPU: packed steps batch requests on CUDA (eager and compiled), start them from cached blocks and from one
-shared prefix, and the engine serves from a device tier, lending a shared prefix in place from it. Skipped without CUDA;
+shared prefix, attention returns its log-sum-exp from one fused kernel, and the engine serves from a device tier,
+lending a shared prefix in place from it. Skipped without CUDA;
 `benchmarks/gpu_check.sh` runs them (and the store's) where there is one."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import SamplingParams, StepRecord
+from prefixgate.backends import attention as attention_module
 from prefixgate.backends.sampler import Sampler
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.settings import load_settings
@@ -144,6 +146,27 @@ async def test_the_engine_on_the_gpu_lends_one_shared_prefix_in_place_from_the_d
         assert max(lent) > 0 and store.tiers[0].lent() == 0  # read in place while they ran, given back at the end
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "seen"), [(1, 70), (1, 4096), (7, 70), (33, 300)])
+def test_attention_with_its_log_sum_exp_on_the_gpu_gives_what_plain_products_give(
+    dtype: torch.dtype, length: int, seen: int
+) -> None:
+    # SmolLM2's heads (9 query heads read 3 KV heads of 64): one decoding token or a prompt chunk at the end of its
+    # keys, causal (the mask of a chunk), against the same attention in plain float32 matrix products.
+    torch.manual_seed(0)
+    query = torch.randn(1, 9, length, 64, device=GPU).to(dtype)
+    kv = torch.randn(2, 3, seen, 64, device=GPU).to(dtype)
+    keys, values = kv[0:1], kv[1:2]
+    mask = attention_module._mask(seen - length, length, 0, seen, None, GPU)
+    assert (mask is None) == (length == 1)
+    out, lse = attention_module.attend_with_lse(query, keys, values, mask, 0.125)
+    expected, expected_lse = attention_module._attend_exactly(query.float(), keys.float(), values.float(), mask, 0.125)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (1, 9, length)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=tolerance, rtol=0)
 
 
 def test_the_sampler_picks_on_the_gpu_from_the_candidates_it_keeps() -> None:

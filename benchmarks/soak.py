@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 import aiohttp
 import lmdb
 import torch
+from batching_bench import own_prefixgate
 
 from prefixgate.backends import HFBackend
 from prefixgate.store import BlockLayout
@@ -97,8 +97,7 @@ class Processes:
         self.redis.wait()
 
     async def start_server(self) -> None:
-        executable = str(Path(sys.executable).parent / "prefixgate")
-        command = [executable, "serve", "--port", str(self.port), "--store", str(self.folder / "store")]
+        command = [own_prefixgate(), "serve", "--port", str(self.port), "--store", str(self.folder / "store")]
         command += ["--dtype", "float32", "--remote", f"redis://:{PASSWORD}@127.0.0.1:{self.redis_port}/0"]
         # A host tier of 1 GiB: it fills within minutes, so memory that grows past it is not the cache filling.
         command += ["--host-budget", "1GiB"]

@@ -44,7 +44,9 @@ _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions att
 # 16 runs cost as much more as the copy did (eager steps, float32, 2 cores: 57.1 ms against 48.2 in one run; 60.4
 # against 51.3 copied together with the build before).
 _MOST_RUNS = 4
-_SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once
+_SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once, or scores to add `_attend_fused`
+# CUDA's memory-efficient attention, which returns the log-sum-exp (see `_attend_fused`)
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
 # .batch: the PackedBatch this thread's model runs, inside `packed_step`
 _step = threading.local()
 
@@ -259,23 +261,31 @@ def _attend_fused(
     a shared prefix, and on a GPU a step's time is its launches (benchmarks/launch_bench.py).
 
     Query heads are grouped by the KV head they read, as `_attend_exactly` groups them, so the kernel sees as many
-    heads in the queries as in the keys; a mask becomes scores to add, its rows repeated for each group.
+    heads in the queries as in the keys; a mask becomes scores to add, its rows repeated for each group, made for a
+    slice of the queries at a time, at most `_SCORES_BYTES` as `_attend_exactly`'s scores are.
     """
     _, heads, count, head_dim = queries.shape
     kv_heads, seen = keys.shape[1], keys.shape[2]
-    rows = heads // kv_heads * count
-    grouped = queries.reshape(1, kv_heads, rows, head_dim)
-    bias = None
-    if mask is not None:
-        # The kernel reads the bias in aligned rows: each a multiple of 16 elements apart, the tail unread.
-        stride = -(-seen // 16) * 16
-        bias = torch.zeros((rows, stride), dtype=queries.dtype, device=queries.device)[:, :seen]
-        bias.masked_fill_(~mask.repeat(rows // count, 1), float("-inf"))
-        bias = bias.expand(1, kv_heads, rows, seen)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        grouped, keys, values, bias, True, scale=scale
-    )  # lse: [1, kv_heads, rows rounded up to 32], float32
-    return out.reshape(1, heads, count, head_dim), lse[:, :, :rows].reshape(1, heads, count)
+    groups = heads // kv_heads
+    stride = -(-seen // 16) * 16  # the kernel reads the bias in rows a multiple of 16 elements apart
+    step = count if mask is None else max(1, _SCORES_BYTES // (groups * stride * queries.element_size()))
+    outputs, lses = [], []
+    for first in range(0, count, step):
+        part = queries[:, :, first : first + step]
+        length = part.shape[2]
+        rows = groups * length
+        bias = None
+        if mask is not None:
+            bias = torch.zeros((rows, stride), dtype=queries.dtype, device=queries.device)[:, :seen]
+            bias.masked_fill_(~mask[first : first + length].repeat(groups, 1), float("-inf"))
+            bias = bias.expand(1, kv_heads, rows, seen)
+        grouped = part.reshape(1, kv_heads, rows, head_dim)
+        out, lse, _, _ = _EFFICIENT(grouped, keys, values, bias, True, scale=scale)  # lse: rows rounded up to 32
+        outputs.append(out.reshape(1, heads, length, head_dim))
+        lses.append(lse[:, :, :rows].reshape(1, heads, length))
+    if len(outputs) == 1:
+        return outputs[0], lses[0]
+    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
 
 
 def _attend_exactly(

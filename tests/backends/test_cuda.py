@@ -169,6 +169,26 @@ def test_attention_with_its_log_sum_exp_on_the_gpu_gives_what_plain_products_giv
     torch.testing.assert_close(lse, expected_lse, atol=tolerance, rtol=0)
 
 
+def test_a_masked_chunk_on_the_gpu_makes_its_scores_to_add_a_slice_of_queries_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    length, seen = 7, 300  # a chunk of 7 queries at the end of 300 keys, causal
+    query = torch.randn(1, 9, length, 64, device=GPU)
+    kv = torch.randn(2, 3, seen, 64, device=GPU)
+    mask = attention_module._mask(seen - length, length, 0, seen, None, GPU)
+    # Room for the scores to add of 2 queries at a time (3 query heads a KV head, rows of 304 float32 values).
+    monkeypatch.setattr(attention_module, "_SCORES_BYTES", 2 * 3 * 304 * 4)
+    calls = []
+    kernel = attention_module._EFFICIENT
+    monkeypatch.setattr(attention_module, "_EFFICIENT", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    out, lse = attention_module.attend_with_lse(query, kv[0:1], kv[1:2], mask, 0.125)
+    assert calls == [(1, 3, 6, 64)] * 3 + [(1, 3, 3, 64)]  # slices of 2, 2, 2 and 1 queries, 3 rows each
+    expected, expected_lse = attention_module._attend_exactly(query, kv[0:1], kv[1:2], mask, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=0)
+
+
 def test_the_sampler_picks_on_the_gpu_from_the_candidates_it_keeps() -> None:
     # Seeded picks among logits on the device, narrowed by top-k and top-p, as on a CPU (see test_sampler.py).
     logits = torch.tensor([0.0, 3.0, 2.9, 2.8, -1.0, 1.0], device=GPU)

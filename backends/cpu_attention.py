@@ -344,7 +344,7 @@ def unavailable(dtype: torch.dtype) -> str | None:
         return f"takes bfloat16 and float32, not {_name(dtype)}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"runs on Linux x86 only (this is {platform.system()} {platform.machine()})"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is None:
         return "could not read the CPU's features from /proc/cpuinfo"
     missing = [flag for flag in (_CPU_FLAGS if dtype == torch.bfloat16 else _F32_CPU_FLAGS) if flag not in flags]
@@ -356,7 +356,9 @@ def unavailable(dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str] | None:
+def cpu_flags() -> frozenset[str] | None:
+    """Return the CPU's features as Linux names them in /proc/cpuinfo (`avx2`, `avx512f`, ...), or None where it does
+    not say."""
     try:
         return next(
             frozenset(line.split(":", 1)[1].split())
@@ -372,7 +374,7 @@ def _builds(dtype: torch.dtype) -> list[tuple[str, ...]]:
     products, and where the CPU has AMX, AMX tiles; for float32, AVX2 and FMA."""
     if dtype == torch.float32:
         return [_F32_FLAGS]
-    has_amx = all(flag in (_cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
+    has_amx = all(flag in (cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
     return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
 
 

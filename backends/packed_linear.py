@@ -9,15 +9,16 @@ are bfloat16's as before (benchmarks/quality_bench.py). This is what `torch.comp
 linear layers, without compiling.
 
 A float32 product goes to MKL instead. On an Intel Xeon most of them ran slower prepacked for oneDNN, so float32 keeps
-torch's own path there; on an AMD EPYC (Zen 3, AVX2) MKL's ran slower (the output projection of 8 rows 2.9 times), and
-a whole step of SmolLM2 ran 1.3 to 1.4 times as fast prepacked for 1 to 16 decoding streams (1.1 to 1.4 times for
-prompts; README, "Benchmarks"), so float32 weights are prepacked on AMD's x86 CPUs. There they go to a small kernel
-of their own where it builds, and to oneDNN's layout where it does not: SmolLM2's 211 layers, their weights coming
-from memory as in a step, took 31.9 ms for one row against oneDNN's 39.9 (reading the weights once takes 22.5), 57.7
-for 16 rows against 74.4, 958 for 512 against 1003 (benchmarks/linear_bench.py). The kernel (`cpu_linear.cpp`, built
-as the attention kernel is, see `cpu_attention.build`) is a torch operator of C++, `prefixgate::linear_panels`, so a
-compiled step, C++ itself on a CPU, calls it with no Python between: through a Python operator, a step of one stream
-of SmolLM2 took 1.13 to 1.17 times as long, of 16 streams 1.05 to 1.09 times (benchmarks/step_bench.py).
+torch's own path there for prompts; on an AMD EPYC (Zen 3, AVX2) MKL's ran slower (the output projection of 8 rows 2.9
+times), and a whole step of SmolLM2 ran 1.3 to 1.4 times as fast prepacked for 1 to 16 decoding streams (1.1 to 1.4
+times for prompts; README, "Benchmarks"), so float32 weights are prepacked for every product on AMD's x86 CPUs. There
+they go to a small kernel of their own where it builds, and to oneDNN's layout where it does not: SmolLM2's 211 layers,
+their weights coming from memory as in a step, took 31.9 ms for one row against oneDNN's 39.9 (reading the weights once
+takes 22.5), 57.7 for 16 rows against 74.4, 958 for 512 against 1003 (benchmarks/linear_bench.py). The kernel
+(`cpu_linear.cpp`, built as the attention kernel is, see `cpu_attention.build`) is a torch operator of C++,
+`prefixgate::linear_panels`, so a compiled step, C++ itself on a CPU, calls it with no Python between: through a Python
+operator, a step of one stream of SmolLM2 took 1.13 to 1.17 times as long, of 16 streams 1.05 to 1.09 times
+(benchmarks/step_bench.py).
 
 A float32 weight that is exactly GGUF blocks (a GGUF model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights as transformers
 loads them, each 32 values along a row d q + o, d a half-precision number and q a small integer; `block_codes`) goes
@@ -26,6 +27,11 @@ block's d and o: 0.75 or 1.25 bytes a weight instead of 4. The kernel rebuilds e
 it reads it, so the products are those of its float layout, bit for bit. The embedded SmolLM2's 211 layers are all
 such (Q4_1 and Q8_0: 115 MB instead of 538), and its decode step reads a fifth of the bytes (see README, "The model's
 dtype").
+
+On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
+below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
+benchmarks/linear_bench.py). There, where the kernel builds, a layer whose weight is codes keeps its plain weight beside
+them and the operator gives more than 64 rows to MKL (`mkl_past_64`); a layer that is not codes is not packed.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class PackedLinear(torch.nn.Module):
         self.layout: dict[str, torch.Tensor] = {}
         self.described: _Weight | None = None
         self.address = self.number = 0
+        # The weight as torch holds it, for products of more than 64 rows where MKL's are the faster (`mkl_past_64`)
+        self.plain: torch.Tensor | None = None
         with torch.no_grad():
             if weight.dtype != torch.float32 or not _kernel():
                 # oneDNN's opaque layout of the [out_features, in_features] weight
@@ -85,6 +93,8 @@ class PackedLinear(torch.nn.Module):
                 pointers = {name: part.data_ptr() for name, part in self.layout.items()}
                 self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, **pointers)
                 self.address = ctypes.addressof(self.described)
+                if mkl_past_64():
+                    self.plain = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
@@ -92,7 +102,7 @@ class PackedLinear(torch.nn.Module):
         if self.described is None:
             out = torch.ops.prefixgate.packed_linear(x, self.number)
         else:
-            out = torch.ops.prefixgate.linear_panels(x, self.address, self.out_features)
+            out = torch.ops.prefixgate.linear_panels(x, self.address, self.out_features, self.plain, self.bias)
         return out
 
 
@@ -215,14 +225,19 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """
     if not applies(model):
         return 0
-    packed: dict[int, PackedLinear] = {}  # a layer used in several places is packed once
+    packed: dict[int, PackedLinear | None] = {}  # a layer used in several places is packed once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:  # not subclasses: quantized layers keep their own
-                if id(child) not in packed:
-                    packed[id(child)] = PackedLinear(child)
+            # Plain layers only, not subclasses: quantized layers keep their own.
+            if type(child) is torch.nn.Linear and id(child) not in packed:
+                layer = PackedLinear(child)
+                # Where MKL serves prompts, a float32 layer is packed for decoding only as its codes: float panels
+                # beside the plain weight would double its memory for a gain at 8 to 16 rows alone.
+                packed[id(child)] = None if layer.plain is not None and "codes" not in layer.layout else layer
+            if packed.get(id(child)) is not None:
                 setattr(parent, name, packed[id(child)])
-    codes = [layer for layer in packed.values() if "codes" in layer.layout]
+    kept = [layer for layer in packed.values() if layer is not None]
+    codes = [layer for layer in kept if "codes" in layer.layout]
     if codes:
         held = sum(part.nbytes for layer in codes for part in layer.layout.values())
         floats = sum(layer.in_features * layer.out_features * 4 for layer in codes)
@@ -230,11 +245,11 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
             "%d of %d linear layers are held as codes, their float32 weights being exactly GGUF blocks "
             "(%.0f MB instead of %.0f)",
             len(codes),
-            len(packed),
+            len(kept),
             held / 1e6,
             floats / 1e6,
         )
-    return len(packed)
+    return len(kept)
 
 
 def prepare(model: torch.nn.Module) -> None:
@@ -252,13 +267,20 @@ def applies(model: torch.nn.Module) -> bool:
 
 
 def packs(dtype: torch.dtype) -> bool:
-    """Say whether linear weights of `dtype` on this CPU are prepacked: bfloat16 where oneDNN computes it, float32 on
-    AMD's x86 CPUs (see the module's docstring), nothing where torch has no oneDNN."""
+    """Say whether linear weights of `dtype` on this CPU are prepacked: bfloat16 where oneDNN computes it; float32 on
+    AMD's x86 CPUs, and on others where the kernel builds (its codes for up to 64 rows, MKL past them; see the module's
+    docstring); nothing where torch has no oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"
+    return dtype == torch.float32 and (cpu_vendor() == "AuthenticAMD" or _kernel())
+
+
+def mkl_past_64() -> bool:
+    """Say whether float32 products of more than 64 rows go to MKL rather than the kernel: everywhere but on AMD's
+    CPUs, where MKL's ran slower (see the module's docstring)."""
+    return cpu_vendor() != "AuthenticAMD"
 
 
 @functools.cache
@@ -273,6 +295,12 @@ def cpu_vendor() -> str:
 
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20")
+_AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512: 16 columns a vector, 12 rows at a time
+
+
+def _flags() -> tuple[str, ...]:
+    """The kernel's build flags on this CPU: AVX2 and FMA, and AVX-512 where it has it."""
+    return _FLAGS + _AVX512_FLAGS if "avx512f" in (cpu_attention.cpu_flags() or ()) else _FLAGS
 
 
 @functools.cache
@@ -287,17 +315,21 @@ def _kernel() -> bool:
     if why is None:
         assert compiler is not None
         try:
-            built = cpu_attention.build_operator(_SOURCE, _FLAGS, compiler)
+            flags = _flags()
+            built = cpu_attention.build_operator(_SOURCE, flags, compiler)
             torch.ops.load_library(built)  # type: ignore[no-untyped-call]
         except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
             why = f"building it failed ({cpu_attention.first_line(error)})"
         else:
             torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
-            _log.info("float32 linear layers run on the C++ kernel (AVX2 float32)")
+            kind = "AVX-512" if _AVX512_FLAGS[0] in flags else "AVX2"
+            _log.info("float32 linear layers run on the C++ kernel (%s float32)", kind)
             return True
     _log.info("float32 linear layers are prepacked for oneDNN: the C++ kernel %s", why)
     return False
 
 
-def _linear_panels_shape(x: torch.Tensor, weight: int, out_features: int) -> torch.Tensor:
+def _linear_panels_shape(
+    x: torch.Tensor, weight: int, out_features: int, plain: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))

@@ -1,13 +1,14 @@
-"""A step's linear layers, alone: float32 on the C++ kernel's layouts against oneDNN's, SmolLM2's 211 layers.
+"""A step's linear layers, alone: float32 on the C++ kernel's layouts against oneDNN's and MKL's, SmolLM2's 211 layers.
 
 Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about a minute). SmolLM2's linear layers in float32 (its 30
-layers' projections and MLPs, and the output projection), each packed three ways, are run one after another on random
-rows, as a step runs them: the weights come from memory each time. The ways: the C++ kernel's code panels (the weights
-are the embedded GGUF's Q4_1 and Q8_0 blocks, held as their codes and rebuilt exactly as they are read, 115 MB;
-`backends/cpu_linear.cpp`), its float panels (540 MB), and oneDNN's layout as `packed_linear` makes it where the kernel
-does not build. It prints the median time of all 211 for each row count, the three taking turns, and what reading the
-float weights once takes (a sum over a tensor of their size). Where the kernel does not build (it needs AVX2, FMA and
-a C++ compiler), it says so and stops.
+layers' projections and MLPs, and the output projection), each packed three ways and as torch holds them, are run one
+after another on random rows, as a step runs them: the weights come from memory each time. The ways: the C++ kernel's
+code panels (the weights are the embedded GGUF's Q4_1 and Q8_0 blocks, held as their codes and rebuilt exactly as they
+are read, 115 MB; `backends/cpu_linear.cpp`), its float panels (540 MB), both the kernel alone at every row count,
+oneDNN's layout as `packed_linear` makes it where the kernel does not build, and torch's own product (MKL's, which a
+served layer on Intel's CPUs takes past 64 rows). It prints the median time of all 211 for each row count, the four
+taking turns, and what reading the float weights once takes (a sum over a tensor of their size). Where the kernel does
+not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
     codes = [PackedLinear(linear) for linear in plain]
     floats = [PackedLinear(linear, codes=False) for linear in plain]
+    for layer in codes + floats:
+        layer.plain = None  # the kernel alone, for every row count (served, Intel's CPUs give past 64 rows to MKL)
     real = packed_linear._kernel
     packed_linear._kernel = lambda: False  # type: ignore[assignment]  # packs for oneDNN
     try:
@@ -65,13 +68,14 @@ def main() -> None:
         for count in ROWS:
             inputs = {n: torch.randn(count, n) for n in {linear.in_features for linear in plain}}
 
-            def run(layers: list[PackedLinear], inputs: dict[int, torch.Tensor] = inputs) -> None:
+            def run(layers: list[torch.nn.Module], inputs: dict[int, torch.Tensor] = inputs) -> None:
                 for layer in layers:
                     layer(inputs[layer.in_features])
 
-            times = median_ms([lambda: run(codes), lambda: run(floats), lambda: run(onednn)])
+            times = median_ms([lambda: run(codes), lambda: run(floats), lambda: run(onednn), lambda: run(plain)])
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
-    table(["rows", "C++ kernel, codes", "C++ kernel, floats", "oneDNN's layout", "reading the float weights"], rows)
+    columns = ["rows", "C++ kernel, codes", "C++ kernel, floats", "oneDNN's layout", "torch's own (MKL)"]
+    table([*columns, "reading the float weights"], rows)
     backend.close()
 
 

@@ -1,17 +1,16 @@
 """Compiled decode steps in the model runner alone, SmolLM2 float32: what a step costs without a server around it.
 
 Run by hand: `.venv/bin/python benchmarks/step_bench.py` (three to six minutes on 2 cores, most of it compiling). It
-loads SmolLM2 as a server does on a CPU that prepacks float32 weights (AMD's x86 CPUs), compiles its step, and times
-`--steps` decode steps of 1, 8 and 16 streams (`--streams`), each stream 40 tokens in; it prints the median and
-fastest step. With `--python-linear` a second copy of the model is compiled whose linear layers reach the same kernel
-through an operator written in Python (as every build did before `prefixgate::linear_panels` was C++), and the steps
-of the two take turns, so a machine whose speed drifts meets both alike: it adds the second copy's times and the
-median of the step-by-step ratio. With `--prefix N` every stream reads a shared prefix of N positions first (random
-K and V, one tensor read in place by all, as a tier lends a cached prefix). With `--profile` it also prints where a
-step's time goes: `torch.profiler` over 20 more steps of each count, the operators that took the most of it. Where
-float32 weights are not prepacked, or their kernel does not build (it needs AVX2, FMA and a C++ compiler), it says so
-and stops.
-"""
+loads SmolLM2 as a server does on a CPU that prepacks float32 weights (AMD's x86 CPUs, and others' GGUF codes where the
+kernel builds), compiles its step, and times `--steps` decode steps of 1, 8 and 16 streams (`--streams`), each stream 40
+tokens in; it prints the median and fastest step. With `--python-linear` a second copy of the model is compiled whose
+linear layers reach the same kernel through an operator written in Python (as every build did before
+`prefixgate::linear_panels` was C++), and the steps of the two take turns, so a machine whose speed drifts meets both
+alike: it adds the second copy's times and the median of the step-by-step ratio. With `--prefix N` every stream reads a
+shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix).
+With `--profile` it also prints where a step's time goes: `torch.profiler` over 20 more steps of each count, the
+operators that took the most of it. Where float32 weights are not prepacked, or their kernel does not build (it needs
+AVX2, FMA and a C++ compiler), it says so and stops."""
 
 from __future__ import annotations
 
@@ -116,7 +115,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also where a step's time goes, by operator")
     args = parser.parse_args()
     if not packed_linear.packs(torch.float32) or not packed_linear._kernel():
-        print("float32 weights are not prepacked on this CPU (AMD's x86 CPUs only), or the kernel does not build here")
+        print("float32 weights are not prepacked on this CPU, or the kernel does not build here")
         return
     ways = {"C++ operator": False} | ({"Python operator": True} if args.python_linear else {})
     defined = python_operator() if args.python_linear else None  # noqa: F841  # kept while the copies run

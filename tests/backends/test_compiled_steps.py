@@ -25,7 +25,7 @@ from prefixgate.backends.packed_linear import applies
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
-from tests.backends.tiny_models import make_llama
+from tests.backends.tiny_models import as_blocks, make_llama
 
 
 @contextmanager
@@ -171,8 +171,10 @@ def test_auto_compiles_where_linear_weights_are_packed(
     unpacked = make_backend(make_llama(tokenizer), compile_steps="auto", prepack_weights=False)
     assert (unpacked.steps, unpacked.compiling, unpacked.prepacked) == ("eager", None, 0)
     compiled = 0
-    for dtype in (torch.float32, torch.bfloat16):  # float32 is packed on AMD's CPUs, bfloat16 where oneDNN computes it
-        llama = make_llama(tokenizer).to(dtype)
+    # float32 is packed on AMD's CPUs (and elsewhere as GGUF codes where the kernel builds), bfloat16 where oneDNN
+    # computes it
+    for dtype in (torch.float32, torch.bfloat16):
+        llama = as_blocks(make_llama(tokenizer), dtype)
         packed_here = applies(llama)
         backend = make_backend(llama, compile_steps="auto", prepack_weights=True)
         assert (backend.prepacked > 0, backend.compiling is not None) == (packed_here, packed_here)

@@ -337,7 +337,7 @@ def test_where_the_amx_build_fails_the_avx512_build_runs(
     # A CPU said to have AMX, and an AMX build the compiler refuses (a flag it does not know): the other build runs.
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     monkeypatch.setattr(
-        cpu_attention, "_cpu_flags", lambda: frozenset(cpu_attention._CPU_FLAGS + ("amx_tile", "amx_bf16"))
+        cpu_attention, "cpu_flags", lambda: frozenset(cpu_attention._CPU_FLAGS + ("amx_tile", "amx_bf16"))
     )
     monkeypatch.setattr(cpu_attention, "_AMX_FLAGS", ("-mamx-tile", "-mno-such-option"))
     with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):

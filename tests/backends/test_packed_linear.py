@@ -1,10 +1,13 @@
 """Prepacked linear layers: a model on a CPU computes what it computed before, from a layout made once (oneDNN's in
-bfloat16 where oneDNN computes it; on AMD's CPUs float32 in the C++ kernel's, or oneDNN's where that does not build)."""
+bfloat16 where oneDNN computes it; float32 in the C++ kernel's on AMD's CPUs, or oneDNN's where that does not build,
+and elsewhere GGUF codes in the kernel's for up to 64 rows, MKL's products past them)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from prefixgate.backends.packed_linear import PackedLinear, applies, block_codes
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
+from tests.backends.tiny_models import as_blocks
 
 PACKED = [dtype for dtype in (torch.bfloat16, torch.float32) if packs(dtype)]  # what this CPU packs
 # A packed product is at most a unit in the last place from the plain one where the kernels sum in another order.
@@ -161,11 +165,15 @@ def test_where_the_float32_kernel_cannot_be_built_the_log_says_why(
 
 
 @needs_float32_kernel
-def test_a_float32_rows_output_is_the_same_to_the_bit_whatever_rows_are_beside_it() -> None:
-    # Each output is summed over the inputs in one order, whatever the batch: a request's logits do not depend on the
-    # requests stepped with it.
+def test_a_float32_rows_output_is_the_same_to_the_bit_whatever_rows_are_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the kernel takes every row (AMD's CPUs), each output is summed over the inputs in one order, whatever the
+    # batch: a request's logits do not depend on the requests stepped with it.
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
     torch.manual_seed(0)
     layer = PackedLinear(torch.nn.Linear(200, 70))
+    assert layer.plain is None
     x = torch.randn(130, 200)  # past one group of 64 rows
     with torch.inference_mode():
         together = layer(x)
@@ -174,12 +182,69 @@ def test_a_float32_rows_output_is_the_same_to_the_bit_whatever_rows_are_beside_i
             assert torch.equal(layer(x[row - 3 if row >= 3 else 0 : row + 1])[-1], together[row])
 
 
+@needs_float32_kernel
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_where_mkl_serves_prompts_more_than_64_rows_get_torchs_own_product_and_fewer_the_kernels(
+    vendor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: vendor)
+    linear = torch.nn.Linear(1536, 37)  # a long sum: torch's and the kernel's orders of it differ in the last place
+    linear.weight.data = gguf_weight((37, 1536), GGMLQuantizationType.Q8_0)
+    layer = PackedLinear(linear)
+    assert (layer.plain is not None) is (vendor == "GenuineIntel") and "codes" in layer.layout
+    x = torch.randn(65, 1536)
+    with torch.inference_mode():
+        own, kernel = linear(x), torch.cat([layer(x[:64]), layer(x[64:])])  # 64 rows and 1: the kernel's
+        assert not torch.equal(own, kernel)
+        assert torch.equal(layer(x), own if vendor == "GenuineIntel" else kernel)
+
+
+AVX2_PRODUCTS = """
+import sys, torch
+from prefixgate.backends import packed_linear
+packed_linear._flags = lambda: packed_linear._FLAGS  # the AVX2 build, on a CPU that has AVX-512
+packed_linear.cpu_vendor = lambda: "AuthenticAMD"  # the kernel for every row count
+assert packed_linear._kernel()
+linear, x = torch.load(sys.argv[1], weights_only=False)
+layer = packed_linear.PackedLinear(linear)
+cpu_attention = packed_linear.cpu_attention
+built = cpu_attention.build_operator(packed_linear._SOURCE, packed_linear._flags(), cpu_attention.cxx_compiler())
+with torch.inference_mode():
+    torch.save(([layer(x[:rows]) for rows in (1, 7, 12, 13, 65)], built.name), sys.argv[2])
+"""
+
+
+@needs_float32_kernel
+@pytest.mark.skipif("avx512f" not in (cpu_attention.cpu_flags() or ()), reason="needs a CPU with AVX-512")
+def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")  # the kernel for every row count
+    torch.manual_seed(0)
+    for linear in (torch.nn.Linear(200, 70), torch.nn.Linear(160, 37)):
+        if linear.in_features == 160:
+            linear.weight.data = gguf_weight((37, 160), GGMLQuantizationType.Q4_1)  # codes, two to a byte
+        x = torch.randn(65, linear.in_features)
+        torch.save((linear, x), tmp_path / "inputs.pt")
+        subprocess.run(
+            [sys.executable, "-c", AVX2_PRODUCTS, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
+            check=True,
+        )
+        layer = PackedLinear(linear)
+        with torch.inference_mode():
+            ours = [layer(x[:rows]) for rows in (1, 7, 12, 13, 65)]
+        theirs, avx2 = torch.load(tmp_path / "outputs.pt")
+        ours_built = cpu_attention.build_operator(
+            packed_linear._SOURCE, packed_linear._flags(), cpu_attention.cxx_compiler()
+        )
+        assert avx2 != ours_built.name  # another build than this process loaded
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 @on_packing_cpus
 @packed_dtypes
 def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(
     llama: PreTrainedModel, dtype: torch.dtype
 ) -> None:
-    model = copy.deepcopy(llama).to(dtype)
+    model = as_blocks(copy.deepcopy(llama), dtype)
     plain = sum(type(m) is torch.nn.Linear for m in model.modules())
     ids = torch.tensor([make_prompt(40)])
     with torch.inference_mode():
@@ -193,13 +258,32 @@ def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_float32_is_packed_on_amd_cpus_only_and_half_precision_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_is_packed_on_amd_cpus_and_elsewhere_where_the_kernel_builds_and_half_precision_nowhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         pytest.skip("this torch build has no oneDNN")
-    for vendor, float32 in [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)]:
+    for vendor, kernel, float32 in [
+        ("AuthenticAMD", False, True),  # oneDNN's layout there, where the kernel does not build
+        ("GenuineIntel", True, True),
+        ("GenuineIntel", False, False),  # MKL's products, as before
+        ("", False, False),
+    ]:
         monkeypatch.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(packed_linear, "_kernel", lambda kernel=kernel: kernel)
         assert packs(torch.float32) is float32
         assert not packs(torch.float16)
+
+
+@needs_float32_kernel
+def test_where_mkl_serves_prompts_float32_layers_that_are_not_codes_stay_plain(
+    llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
+    model = copy.deepcopy(llama)  # float32 weights that are not GGUF blocks
+    plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert applies(model) and prepack_linear_weights(model) == 0
+    assert [m for m in model.modules() if type(m) is torch.nn.Linear] == plain
 
 
 def test_models_this_cpu_does_not_pack_and_backends_built_without_it_stay_unpacked(
@@ -245,8 +329,8 @@ def test_a_backend_builds_the_linear_kernel_beside_the_attentions_and_packs_once
 async def test_a_prepacked_backend_serves_and_keeps_its_fingerprint(
     llama: PreTrainedModel, make_backend: BackendFactory, dtype: torch.dtype
 ) -> None:
-    plain = make_backend(copy.deepcopy(llama).to(dtype))
-    packed = make_backend(copy.deepcopy(llama).to(dtype), prepack_weights=True)
+    plain = make_backend(as_blocks(copy.deepcopy(llama), dtype))
+    packed = make_backend(as_blocks(copy.deepcopy(llama), dtype), prepack_weights=True)
     assert packed.prepacked > 0 and packed.fingerprint == plain.fingerprint
     answer = await collect(packed, make_prompt(30), params=SamplingParams(max_tokens=8, temperature=0.0))
     assert len(answer.token_ids) == 8 or answer.finish_reason == "stop"

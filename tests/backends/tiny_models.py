@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType, quants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
@@ -87,4 +88,17 @@ def make_mistral(tokenizer: PreTrainedTokenizerFast, *, sliding_window: int, see
     )
     model = MistralForCausalLM(config)
     model.eval()  # type: ignore[no-untyped-call]
+    return model
+
+
+def as_blocks(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """Return the model in `dtype`, its float32 linear weights made exactly GGUF Q8_0 blocks (as a GGUF model's are):
+    where MKL serves prompts, only such float32 layers are packed."""
+    model = model.to(dtype)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            for layer in model.modules():
+                if type(layer) is torch.nn.Linear:
+                    blocks = quants.quantize(layer.weight.numpy(), GGMLQuantizationType.Q8_0)
+                    layer.weight.copy_(torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0)))
     return model

@@ -61,8 +61,15 @@ class PackedLinear(torch.nn.Module):
     """A bias-optional linear layer computed from a weight laid out once: by our kernel in float32 where it builds
     (as codes where the weight is exactly codes, see `block_codes`), by oneDNN otherwise."""
 
-    def __init__(self, linear: torch.nn.Linear, *, codes: bool = True) -> None:
-        """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows."""
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        *,
+        codes: bool = True,
+        found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows (`found`: its `block_codes`,
+        where the caller has them already)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -82,7 +89,8 @@ class PackedLinear(torch.nn.Module):
                 self.number = next(_NUMBERS)
                 _LAYERS[self.number] = self
             else:
-                found = block_codes(weight) if codes else None
+                if found is None and codes:
+                    found = block_codes(weight)
                 parts = zip(("codes", "scales", "offsets"), found, strict=True) if found else [("panels", weight)]
                 self.layout = {name: _panels(part) for name, part in parts}
                 bits = 0
@@ -230,10 +238,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
         for name, child in list(parent.named_children()):
             # Plain layers only, not subclasses: quantized layers keep their own.
             if type(child) is torch.nn.Linear and id(child) not in packed:
-                layer = PackedLinear(child)
-                # Where MKL serves prompts, a float32 layer is packed for decoding only as its codes: float panels
-                # beside the plain weight would double its memory for a gain at 8 to 16 rows alone.
-                packed[id(child)] = None if layer.plain is not None and "codes" not in layer.layout else layer
+                packed[id(child)] = _pack(child)
             if packed.get(id(child)) is not None:
                 setattr(parent, name, packed[id(child)])
     kept = [layer for layer in packed.values() if layer is not None]
@@ -250,6 +255,17 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
             floats / 1e6,
         )
     return len(kept)
+
+
+def _pack(linear: torch.nn.Linear) -> PackedLinear | None:
+    """Return `linear` packed, or None where it stays torch's: where MKL serves prompts, a float32 layer is packed for
+    decoding only as its codes (float panels beside the plain weight would double its memory for a gain at 8 to 16 rows
+    alone), so its codes are looked for first and no panels are made for a layer that has none."""
+    weight = linear.weight.detach()
+    if weight.dtype == torch.float32 and mkl_past_64() and _kernel():
+        found = block_codes(weight)
+        return None if found is None else PackedLinear(linear, found=found)
+    return PackedLinear(linear)
 
 
 def prepare(model: torch.nn.Module) -> None:

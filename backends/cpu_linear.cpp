@@ -1,5 +1,6 @@
-/* float32 linear layers on x86 CPUs with AVX2 and FMA, or AVX-512: see packed_linear.py. Built as a torch operator,
-   `prefixgate::linear_panels` (at the end), which a step calls with no Python between it and the kernel.
+/* Linear layers on x86 CPUs: float32 with AVX2 and FMA, or AVX-512, and bfloat16 with AVX-512 BF16; see
+   packed_linear.py. Built as a torch operator, `prefixgate::linear_panels` (at the end), which a step calls with no
+   Python between it and the kernel.
 
    A weight [n, k] is packed once (by packed_linear.py) into panels of 16 output columns, each k rows of 16 floats
    (the weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of
@@ -16,9 +17,17 @@
    is rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to
    the bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes,
    or less, come from memory. Where at most 12 rows (6 on AVX2) meet it (a decode step of a few streams), each value
-   is rebuilt in registers as the rows meet it instead, the same sums without the buffer. */
+   is rebuilt in registers as the rows meet it instead, the same sums without the buffer.
+
+   A bfloat16 weight is packed as pair panels: for each two values of k, the 16 columns' two weights side by side (64
+   bytes, one AVX-512 vector), which AVX-512 BF16's dot product (`vdpbf16ps`) multiplies by a row's two values of x
+   and adds to 16 float32 sums at once; the rest runs as for floats, and each output is rounded to bfloat16 once, at
+   the end (to nearest, ties to even, as torch rounds). They take at most PAIR_ROWS rows (a decode step of a few
+   streams): a layer gives more to oneDNN's product on its own layout (`prefixgate::packed_linear`), whose matrix units
+   are the faster there. */
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <immintrin.h>
@@ -32,6 +41,10 @@
 #define CHUNK 128       /* rows of a panel (values of k) held while every row of x meets them */
 #define GROUP 64        /* rows of x a panel meets in one pass: its partial outputs are 64 by 16 floats */
 #define BLOCK 32        /* values of k sharing a code's d and o */
+/* The most rows a bfloat16 product takes: oneDNN's on its own layout is as fast at 8 rows (SmolLM2's 211 layers on 2
+   cores of a Xeon: 26.6 ms against 26.9; 17.9 against 27.4 for one row, 30.8 against 28.4 for 12) and the faster past
+   them, its matrix units working on many rows at once. */
+#define PAIR_ROWS 8
 
 /* 16 columns of one row: one AVX-512 vector where the build has AVX-512 (-mavx512f), else two AVX2 vectors. Each
    lane's arithmetic is the same in both, so the two builds give the same bits. With 32 vector registers, AVX-512
@@ -131,9 +144,48 @@ static inline __attribute__((always_inline)) void product(const float *a, int64_
     for (int r = 0; r < rows; r++) store16(c + r * 16, acc[r]);
 }
 
+#if defined(__AVX512BF16__)
+/* product() in bfloat16: c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16], a's rows of bfloat16 `lda`
+   apart, b `depth` / 2 pair rows (each two values of k for the 16 columns, 64 bytes), summed in float32 by
+   `vdpbf16ps`: for each pair, the second value's product and then the first's, each added in one rounding (denormals
+   flushed to zero). */
+static inline __attribute__((always_inline)) void product(const uint16_t *a, int64_t lda, const uint16_t *b,
+                                                          int64_t depth, float *c, int add, const char *next,
+                                                          int64_t lines, const int rows) {
+    __m512 acc[MOST_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < depth / 2; i++) {
+        if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
+        const __m512bh bi = (__m512bh)_mm512_loadu_si512(b + i * 32);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair; /* the row's values of x at k = 2i and 2i + 1, against every column's pair */
+            memcpy(&pair, a + r * lda + 2 * i, sizeof pair);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), bi);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+/* The 16 sums of a row rounded to bfloat16 (to nearest, ties to even) after the bias is added, the first `columns`
+   written to `out`. */
+static inline void round_out(const float *c, const uint16_t *bias, int64_t columns, uint16_t *out) {
+    __m512 sums = _mm512_loadu_ps(c);
+    if (bias) {
+        uint16_t b[16] = {0};
+        memcpy(b, bias, columns * sizeof *b);
+        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16)));
+    }
+    uint16_t rounded[16];
+    _mm256_storeu_si256((__m256i *)rounded, (__m256i)_mm512_cvtneps_pbh(sums));
+    memcpy(out, rounded, columns * sizeof *out);
+}
+#endif
+
 /* One chunk of a panel met by `count` rows of x (at most GROUP), the first of them fetching `lines` of `next`. */
-static void chunk(const float *x, int64_t k, int64_t count, const float *b, int64_t depth, float *c, int add,
-                  const char *next, int64_t lines) {
+template <typename T>
+static void chunk(const T *x, int64_t k, int64_t count, const T *b, int64_t depth, float *c, int add, const char *next,
+                  int64_t lines) {
     /* blocks of rows as even as MOST_ROWS at most allows (8 rows on AVX2: 4 and 4, not 6 and 2, whose 4 accumulators
        wait on the FMAs' latency) */
     const int64_t blocks = (count + MOST_ROWS - 1) / MOST_ROWS;
@@ -183,79 +235,120 @@ static inline __attribute__((always_inline)) void coded_chunk(const float *x, in
 
 /* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
    to 16), or code panels [n / 16][k][16] of `bits` 8 or 4 (then [n / 16][k][8] bytes) with their scales and offsets
-   [n / 16][k / BLOCK][16] (k a multiple of BLOCK); the pointers not used, and a missing bias, are NULL. */
+   [n / 16][k / BLOCK][16] (k a multiple of BLOCK), or bfloat16 pair panels [n / 16][k / 2][16][2] (k even); the
+   pointers not used, and a missing bias, are NULL. `onednn`: for bfloat16, the same weight laid out for oneDNN (its
+   tensor, which the layer keeps), which takes more than PAIR_ROWS rows. */
 struct prefixgate_linear_weight {
     int64_t n, k;
     const float *panels;
     const int8_t *codes;
     int64_t bits;
     const float *scales, *offsets;
-    const float *bias;
+    const void *bias;
+    const uint16_t *pairs;
+    c10::TensorImpl *onednn;
 };
 
-/* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous. Panels are shared out among the threads. */
-static void linear(const struct prefixgate_linear_weight *w, const float *x, int64_t m, float *y) {
+/* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t, pair panels).
+   Panels are shared out among the threads. */
+template <typename T>
+static void linear(const struct prefixgate_linear_weight *w, const T *x, int64_t m, T *y) {
+    constexpr bool pairs = sizeof(T) == 2;
     const int64_t n = w->n, k = w->k, count = (n + 15) / 16;
-    const int64_t stride = w->codes ? w->bits * 2 : 64; /* bytes a row of a panel (16 values of one k) takes */
+    /* bytes a row of a panel (16 values of one k) takes */
+    const int64_t stride = pairs ? 32 : w->codes ? w->bits * 2 : 64;
     const int half = w->codes && w->bits == 4;
+    const char *panels = pairs ? (const char *)w->pairs : w->codes ? (const char *)w->codes : (const char *)w->panels;
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < count; p++) {
             float c[GROUP * 16] __attribute__((aligned(64)));
             float decoded[CHUNK * 16] __attribute__((aligned(64)));
-            const char *panel = (w->codes ? (const char *)w->codes : (const char *)w->panels) + p * k * stride;
+            const char *panel = panels + p * k * stride;
             for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
                 const int64_t depth = k - k0 < CHUNK ? k - k0 : CHUNK;
                 /* the next chunk, or the next panel's first: panels lie one after the other */
                 const char *next = panel + (k0 + depth) * stride;
                 const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
-                const float *xs = x + g * k + k0;
-                if (!w->codes) {
-                    chunk(xs, k, rows, (const float *)panel + k0 * 16, depth, c, k0 > 0, next, lines);
+                const T *xs = x + g * k + k0;
+                if (pairs || !w->codes) {
+                    chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
                     continue;
                 }
-                const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
-                const float *scales = w->scales + block, *offsets = w->offsets + block;
-                const int8_t *codes = (const int8_t *)panel + k0 * stride;
-                if (rows <= MOST_ROWS && half)
-                    coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
-                else if (rows <= MOST_ROWS)
-                    coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
-                else {
-                    if (half) decode(codes, 1, scales, offsets, depth, decoded);
-                    else decode(codes, 0, scales, offsets, depth, decoded);
-                    chunk(xs, k, rows, decoded, depth, c, k0 > 0, next, lines);
+                if constexpr (!pairs) {
+                    const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
+                    const float *scales = w->scales + block, *offsets = w->offsets + block;
+                    const int8_t *codes = (const int8_t *)panel + k0 * stride;
+                    if (rows <= MOST_ROWS && half)
+                        coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
+                    else if (rows <= MOST_ROWS)
+                        coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
+                    else {
+                        if (half) decode(codes, 1, scales, offsets, depth, decoded);
+                        else decode(codes, 0, scales, offsets, depth, decoded);
+                        chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
+                    }
                 }
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
             for (int64_t r = 0; r < rows; r++) {
-                float *out = y + (g + r) * n + p * 16;
-                for (int64_t j = 0; j < columns; j++) out[j] = c[r * 16 + j] + (w->bias ? w->bias[p * 16 + j] : 0.0f);
+                T *out = y + (g + r) * n + p * 16;
+                if constexpr (pairs) {
+#if defined(__AVX512BF16__)
+                    round_out(c + r * 16, w->bias ? (const uint16_t *)w->bias + p * 16 : nullptr, columns, out);
+#endif
+                } else {
+                    const float *bias = (const float *)w->bias;
+                    for (int64_t j = 0; j < columns; j++) out[j] = c[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+                }
             }
         }
     }
 }
 
-/* y = x W^T (+ bias) for rows x [..., k] of float32, W the packed weight whose description lies at address `weight`
-   (a `struct prefixgate_linear_weight` its layer keeps alive, see packed_linear.py): the layer's own operator, given
-   the address its layer holds, and never any other number. With `plain` (the weight as torch holds it, and `bias`),
-   more than GROUP rows go to torch's own product instead (MKL's, on Intel's CPUs, which is the faster there past about
-   100 rows: packed_linear.py). A C++ operator, so that a compiled step (C++ itself on a CPU) calls the kernel
-   directly: SmolLM2's 211 layers went through a Python one before, and a compiled decode step of one stream took 1.13
-   to 1.17 times as long with it, of 16 streams 1.05 to 1.09 times (README, "Benchmarks"). */
+/* y = x W^T (+ bias) for rows x [..., k] of float32, or of bfloat16 for pair panels, W the packed weight whose
+   description lies at address `weight` (a `struct prefixgate_linear_weight` its layer keeps alive, see
+   packed_linear.py): the layer's own operator, given the address its layer holds, and never any other number. With
+   `plain` (the weight as torch holds it, and `bias`), more than GROUP rows go to torch's own product instead (MKL's,
+   on Intel's CPUs, which is the faster there past about 100 rows); bfloat16 rows past PAIR_ROWS go to oneDNN's
+   (`onednn`). A C++ operator, so that a compiled step (C++ itself on a CPU) calls the kernel directly: SmolLM2's 211
+   layers went through a Python one before, and a compiled decode step of one stream took 1.13 to 1.17 times as long
+   with it, of 16 streams 1.05 to 1.09 times (README, "Benchmarks"). */
 static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
     const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight);
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "linear_panels takes float32 rows on a CPU");
+    const auto dtype = w->pairs ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
+                w->pairs ? "bfloat16" : "float32", " rows on a CPU for this weight");
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w->k, "linear_panels takes rows of ", w->k, " values, not ", x.sizes());
     TORCH_CHECK(out_features == w->n, "linear_panels: the weight has ", w->n, " outputs, not ", out_features);
-    if (plain && x.numel() / w->k > GROUP) return at::linear(x, *plain, bias);
+    const int64_t m = x.numel() / w->k;
+    if (plain && m > GROUP) return at::linear(x, *plain, bias);
+    if (w->pairs && m > PAIR_ROWS) {
+        static const auto onednn =
+            c10::Dispatcher::singleton()
+                .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &,
+                                  c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                  std::optional<c10::string_view>)>();
+        const at::Tensor packed(c10::intrusive_ptr<c10::TensorImpl>::unsafe_reclaim_from_nonowning(w->onednn));
+        return onednn.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+    }
     const at::Tensor rows = x.contiguous();
     std::vector<int64_t> shape = rows.sizes().vec();
     shape.back() = w->n;
     at::Tensor y = at::empty(shape, rows.options());
-    if (rows.numel() > 0) linear(w, rows.const_data_ptr<float>(), rows.numel() / w->k, y.mutable_data_ptr<float>());
+    if (m == 0) return y;
+    if (!w->pairs) {
+        linear(w, rows.const_data_ptr<float>(), m, y.mutable_data_ptr<float>());
+        return y;
+    }
+#if defined(__AVX512BF16__)
+    linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+#else
+    TORCH_CHECK(false, "linear_panels: this build has no bfloat16 products (it needs AVX-512 BF16)");
+#endif
     return y;
 }
 

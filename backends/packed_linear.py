@@ -28,6 +28,13 @@ it reads it, so the products are those of its float layout, bit for bit. The emb
 such (Q4_1 and Q8_0: 115 MB instead of 538), and its decode step reads a fifth of the bytes (see README, "The model's
 dtype").
 
+A bfloat16 weight keeps oneDNN's layout, and where the kernel builds with AVX-512 BF16 it is also laid out for the
+kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded once): oneDNN's kernels lose to it on the
+few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon: 17.9 ms for one row against 27.4) and win past
+8 rows, so the operator gives it up to 8 rows and calls oneDNN's product on its layout, from C++, for more. The copy
+doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the
+memory free at load.
+
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
 benchmarks/linear_bench.py). There, where the kernel builds, a layer whose weight is codes keeps its plain weight beside
@@ -40,6 +47,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import os
 import subprocess
 import weakref
 from pathlib import Path
@@ -67,9 +75,10 @@ class PackedLinear(torch.nn.Module):
         *,
         codes: bool = True,
         found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        pairs: bool = True,
     ) -> None:
         """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows (`found`: its `block_codes`,
-        where the caller has them already)."""
+        where the caller has them already); a bfloat16 one for oneDNN, and where `pairs` allows, for the kernel too."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -88,6 +97,16 @@ class PackedLinear(torch.nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
                 self.number = next(_NUMBERS)
                 _LAYERS[self.number] = self
+                if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
+                    # and the kernel's pair panels, for up to 64 rows; oneDNN's layout takes more
+                    self.layout = {"pairs": _pairs(weight)}
+                    if self.bias is not None:
+                        self.layout["bias"] = self.bias.detach().contiguous()
+                    pointers = {name: part.data_ptr() for name, part in self.layout.items()}
+                    # and oneDNN's tensor, by the address of its C++ object (which `packed` keeps)
+                    onednn = self.packed._cdata
+                    self.described = _Weight(n=self.out_features, k=self.in_features, onednn=onednn, **pointers)
+                    self.address = ctypes.addressof(self.described)
             else:
                 if found is None and codes:
                     found = block_codes(weight)
@@ -126,6 +145,8 @@ class _Weight(ctypes.Structure):
         ("scales", ctypes.c_void_p),
         ("offsets", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("pairs", ctypes.c_void_p),
+        ("onednn", ctypes.c_void_p),
     ]
 
 
@@ -217,6 +238,15 @@ def _halves(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (low | high << 4).contiguous(), 4
 
 
+def _pairs(weight: torch.Tensor) -> torch.Tensor:
+    """Lay out a bfloat16 weight [n, k] (k even) as the kernel's pair panels [n / 16][k / 2][16][2] (zeros past n):
+    for each two values of k, the 16 columns' two weights side by side."""
+    rows, columns = weight.shape
+    padded = weight.new_zeros(((rows + 15) // 16 * 16, columns))
+    padded[:rows] = weight
+    return padded.reshape(-1, 16, columns // 2, 2).transpose(1, 2).contiguous()
+
+
 def _panels(part: torch.Tensor) -> torch.Tensor:
     """Lay out a per-row tensor [n, columns] as the kernel's panels [n / 16][columns][16] (zeros past n)."""
     rows, columns = part.shape
@@ -233,12 +263,13 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """
     if not applies(model):
         return 0
+    pairs = _pairs_fit(model)
     packed: dict[int, PackedLinear | None] = {}  # a layer used in several places is packed once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Plain layers only, not subclasses: quantized layers keep their own.
             if type(child) is torch.nn.Linear and id(child) not in packed:
-                packed[id(child)] = _pack(child)
+                packed[id(child)] = _pack(child, pairs)
             if packed.get(id(child)) is not None:
                 setattr(parent, name, packed[id(child)])
     kept = [layer for layer in packed.values() if layer is not None]
@@ -254,10 +285,40 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
             held / 1e6,
             floats / 1e6,
         )
+    paired = [layer for layer in kept if "pairs" in layer.layout]
+    if paired:
+        held = sum(layer.layout["pairs"].nbytes for layer in paired)
+        _log.info(
+            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes decode "
+            "steps of up to 8 rows (%.0f MB more)",
+            len(paired),
+            len(kept),
+            held / 1e6,
+        )
     return len(kept)
 
 
-def _pack(linear: torch.nn.Linear) -> PackedLinear | None:
+def _pairs_fit(model: torch.nn.Module) -> bool:
+    """Say whether a bfloat16 model's linear weights may be laid out for the kernel beside oneDNN's layout: where the
+    kernel takes bfloat16 and a second copy of them takes at most an eighth of the memory free now (SmolLM2's: 270 MB;
+    a model of 8 billion parameters would double its 16 GB)."""
+    weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
+    if not weights or not bfloat16_products():
+        return False
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    needed = sum(weight.nbytes for weight in weights)
+    if needed > free // 8:
+        _log.info(
+            "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it would take %.0f MB, more "
+            "than an eighth of the %.0f MB free",
+            needed / 1e6,
+            free / 1e6,
+        )
+        return False
+    return True
+
+
+def _pack(linear: torch.nn.Linear, pairs: bool = True) -> PackedLinear | None:
     """Return `linear` packed, or None where it stays torch's: where MKL serves prompts, a float32 layer is packed for
     decoding only as its codes (float panels beside the plain weight would double its memory for a gain at 8 to 16 rows
     alone), so its codes are looked for first and no panels are made for a layer that has none."""
@@ -265,14 +326,13 @@ def _pack(linear: torch.nn.Linear) -> PackedLinear | None:
     if weight.dtype == torch.float32 and mkl_past_64() and _kernel():
         found = block_codes(weight)
         return None if found is None else PackedLinear(linear, found=found)
-    return PackedLinear(linear)
+    return PackedLinear(linear, pairs=pairs)
 
 
 def prepare(model: torch.nn.Module) -> None:
-    """Build and load the float32 kernel now where `prepack_linear_weights` will pack this model's layers for it
-    (10 to 15 s at a first start, once per source and torch); runs no torch kernel, so any thread may call it."""
-    weight = next(model.parameters(), None)
-    if applies(model) and weight is not None and weight.dtype == torch.float32:
+    """Build and load the kernel now where `prepack_linear_weights` will pack this model's layers (10 to 15 s at a first
+    start, once per source and torch); runs no torch kernel, so any thread may call it."""
+    if applies(model):
         _kernel()
 
 
@@ -312,11 +372,21 @@ def cpu_vendor() -> str:
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20")
 _AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512: 16 columns a vector, 12 rows at a time
+_BF16_FLAGS = ("-mavx512bw", "-mavx512bf16")  # and its bfloat16 products where it has AVX-512 BF16
 
 
 def _flags() -> tuple[str, ...]:
-    """The kernel's build flags on this CPU: AVX2 and FMA, and AVX-512 where it has it."""
-    return _FLAGS + _AVX512_FLAGS if "avx512f" in (cpu_attention.cpu_flags() or ()) else _FLAGS
+    """The kernel's build flags on this CPU: AVX2 and FMA, AVX-512 where it has it, and AVX-512 BF16."""
+    flags = cpu_attention.cpu_flags() or frozenset()
+    if "avx512f" not in flags:
+        return _FLAGS
+    return _FLAGS + _AVX512_FLAGS + (_BF16_FLAGS if {"avx512bw", "avx512_bf16"} <= flags else ())
+
+
+def bfloat16_products() -> bool:
+    """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 64 rows, beside
+    oneDNN's layout)."""
+    return _kernel() and _BF16_FLAGS[-1] in _flags()
 
 
 @functools.cache
@@ -339,7 +409,8 @@ def _kernel() -> bool:
         else:
             torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
             kind = "AVX-512" if _AVX512_FLAGS[0] in flags else "AVX2"
-            _log.info("float32 linear layers run on the C++ kernel (%s float32)", kind)
+            also = ", and bfloat16 decode steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""
+            _log.info("float32 linear layers run on the C++ kernel (%s float32%s)", kind, also)
             return True
     _log.info("float32 linear layers are prepacked for oneDNN: the C++ kernel %s", why)
     return False

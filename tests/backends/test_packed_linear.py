@@ -199,6 +199,64 @@ def test_where_mkl_serves_prompts_more_than_64_rows_get_torchs_own_product_and_f
         assert torch.equal(layer(x), own if vendor == "GenuineIntel" else kernel)
 
 
+needs_bfloat16_kernel = pytest.mark.skipif(
+    not packed_linear.bfloat16_products(), reason="the linear kernel has no bfloat16 products here (AVX-512 BF16)"
+)
+
+
+def in_pairs_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) in bfloat16 as the kernel sums it: in float32, over k two values at a time, the second's product
+    and then the first's (each exact in float32, each added in one rounding), the bias last, then rounded once."""
+    xs, ws = x.float(), weight.float()
+    sums = torch.zeros(x.shape[0], weight.shape[0])
+    for i in range(0, x.shape[1], 2):
+        sums = sums + xs[:, i + 1, None] * ws[None, :, i + 1]
+        sums = sums + xs[:, i, None] * ws[None, :, i]
+    return (sums + bias.float() if bias is not None else sums).bfloat16()
+
+
+@needs_bfloat16_kernel
+@pytest.mark.parametrize(("features", "bias"), [((160, 37), True), ((1536, 70), False)], ids=["160x37", "1536x70"])
+def test_a_bfloat16_layer_gives_up_to_8_rows_the_kernels_sums_and_more_onednns_product(
+    features: tuple[int, int], bias: bool
+) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(*features, bias=bias).to(torch.bfloat16)
+    layer = PackedLinear(linear)
+    assert "pairs" in layer.layout and layer.described is not None
+    x = torch.randn(40, features[0], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (1, 5, 8):  # the kernel: its own order of sums, whatever rows are beside them
+            assert torch.equal(layer(x[:rows]), in_pairs_order(x[:rows], linear.weight, linear.bias))
+        onednn = torch.ops.prefixgate.packed_linear(x, layer.number)  # the Python operator's product on its layout
+        assert torch.equal(layer(x), onednn)
+        assert torch.equal(layer(x[:9]), torch.ops.prefixgate.packed_linear(x[:9], layer.number))
+        if features[0] == 1536:  # a long sum, which oneDNN orders otherwise: the two differ somewhere
+            assert not torch.equal(onednn, in_pairs_order(x, linear.weight, linear.bias))
+        with pytest.raises(RuntimeError, match="takes bfloat16 rows"):
+            layer(x.float())
+
+
+@needs_bfloat16_kernel
+def test_bfloat16_layers_get_the_kernels_layout_only_where_it_takes_an_eighth_of_the_free_memory_at_most(
+    llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = copy.deepcopy(llama).to(torch.bfloat16)
+    weights = sum(m.weight.nbytes for m in model.modules() if type(m) is torch.nn.Linear)
+    page = 4096
+    for pages, paired in [(8 * weights // page + 1, True), (8 * weights // page - 1, False)]:  # just above, below
+        monkeypatch.setattr(
+            packed_linear.os, "sysconf", lambda name, pages=pages: pages if name == "SC_AVPHYS_PAGES" else page
+        )
+        packed = copy.deepcopy(model)
+        with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+            assert prepack_linear_weights(packed) > 0
+        layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+        assert all(("pairs" in layer.layout) is paired for layer in layers)
+        assert ("bfloat16 linear layers stay oneDNN's alone" in caplog.text) is not paired
+        caplog.clear()
+
+
 AVX2_PRODUCTS = """
 import sys, torch
 from prefixgate.backends import packed_linear

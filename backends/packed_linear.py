@@ -78,14 +78,13 @@ class PackedLinear(torch.nn.Module):
         pairs: bool = True,
     ) -> None:
         """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows (`found`: its `block_codes`,
-        where the caller has them already); a bfloat16 one for oneDNN, and where `pairs` allows, for the kernel too."""
+        where the caller has them already); a bfloat16 one for oneDNN, and where `pairs` allows for the kernel too."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         weight = linear.weight.detach()
-        # The kernel's layouts (see cpu_linear.cpp), none of them parameters: float panels, or code panels with their
-        # scales and offsets, and the bias, by their names in its description of the weight, which points into them;
-        # the operator takes the description's address.
+        # The kernel's layouts (see cpu_linear.cpp and `_describe`), none of them parameters: float panels, code panels
+        # with their scales and offsets, or bfloat16 pair panels; and the bias.
         self.layout: dict[str, torch.Tensor] = {}
         self.described: _Weight | None = None
         self.address = self.number = 0
@@ -98,30 +97,29 @@ class PackedLinear(torch.nn.Module):
                 self.number = next(_NUMBERS)
                 _LAYERS[self.number] = self
                 if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
-                    # and the kernel's pair panels, for up to 64 rows; oneDNN's layout takes more
-                    self.layout = {"pairs": _pairs(weight)}
-                    if self.bias is not None:
-                        self.layout["bias"] = self.bias.detach().contiguous()
-                    pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-                    # and oneDNN's tensor, by the address of its C++ object (which `packed` keeps)
-                    onednn = self.packed._cdata
-                    self.described = _Weight(n=self.out_features, k=self.in_features, onednn=onednn, **pointers)
-                    self.address = ctypes.addressof(self.described)
+                    # and the kernel's pair panels, for up to 8 rows; oneDNN's layout (by the address of its C++
+                    # object, which `packed` keeps) takes more
+                    self._describe(pairs=_pairs(weight), onednn=self.packed._cdata)
             else:
                 if found is None and codes:
                     found = block_codes(weight)
-                parts = zip(("codes", "scales", "offsets"), found, strict=True) if found else [("panels", weight)]
-                self.layout = {name: _panels(part) for name, part in parts}
-                bits = 0
                 if found:
-                    self.layout["codes"], bits = _halves(self.layout["codes"])
-                if self.bias is not None:
-                    self.layout["bias"] = self.bias.detach().contiguous()
-                pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-                self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, **pointers)
-                self.address = ctypes.addressof(self.described)
+                    held, bits = _halves(_panels(found[0]))
+                    self._describe(codes=held, scales=_panels(found[1]), offsets=_panels(found[2]), bits=bits)
+                else:
+                    self._describe(panels=_panels(weight))
                 if mkl_past_64():
                     self.plain = weight
+
+    def _describe(self, bits: int = 0, onednn: int | None = None, **layout: torch.Tensor) -> None:
+        """Keep the kernel's layouts of the weight (and the bias) and describe them to it: `layout` by their names in
+        its description of the weight, which points into them; the operator takes the description's address."""
+        self.layout = dict(layout)
+        if self.bias is not None:
+            self.layout["bias"] = self.bias.detach().contiguous()
+        pointers = {name: part.data_ptr() for name, part in self.layout.items()}
+        self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
+        self.address = ctypes.addressof(self.described)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
@@ -384,7 +382,7 @@ def _flags() -> tuple[str, ...]:
 
 
 def bfloat16_products() -> bool:
-    """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 64 rows, beside
+    """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 8 rows, beside
     oneDNN's layout)."""
     return _kernel() and _BF16_FLAGS[-1] in _flags()
 

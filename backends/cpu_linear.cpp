@@ -23,8 +23,9 @@
    bytes, one AVX-512 vector), which AVX-512 BF16's dot product (`vdpbf16ps`) multiplies by a row's two values of x
    and adds to 16 float32 sums at once; the rest runs as for floats, and each output is rounded to bfloat16 once, at
    the end (to nearest, ties to even, as torch rounds). They take at most PAIR_ROWS rows (a decode step of a few
-   streams): a layer gives more to oneDNN's product on its own layout (`prefixgate::packed_linear`), whose matrix units
-   are the faster there. */
+   streams): more go to oneDNN's product on its own layout (`mkldnn::_linear_pointwise`, called here as
+   packed_linear.py's Python operator calls it where the kernel does not take a layer), whose matrix units are the
+   faster there. */
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,9 +42,10 @@
 #define CHUNK 128       /* rows of a panel (values of k) held while every row of x meets them */
 #define GROUP 64        /* rows of x a panel meets in one pass: its partial outputs are 64 by 16 floats */
 #define BLOCK 32        /* values of k sharing a code's d and o */
-/* The most rows a bfloat16 product takes: oneDNN's on its own layout is as fast at 8 rows (SmolLM2's 211 layers on 2
-   cores of a Xeon: 26.6 ms against 26.9; 17.9 against 27.4 for one row, 30.8 against 28.4 for 12) and the faster past
-   them, its matrix units working on many rows at once. */
+/* The most rows a bfloat16 product takes: oneDNN's on its own layout is about as fast at 8 rows (SmolLM2's 211 layers
+   on 2 cores of a Xeon: 26.6 ms against 26.9 in a busy hour, 16.3 against 17.9 in an idle one; one row 17.9 against
+   27.4, 11.6 against 17.4) and the faster past them (12 rows 30.8 against 28.4), its matrix units working on many rows
+   at once. */
 #define PAIR_ROWS 8
 
 /* 16 columns of one row: one AVX-512 vector where the build has AVX-512 (-mavx512f), else two AVX2 vectors. Each

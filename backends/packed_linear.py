@@ -30,10 +30,10 @@ dtype").
 
 A bfloat16 weight keeps oneDNN's layout, and where the kernel builds with AVX-512 BF16 it is also laid out for the
 kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded once): oneDNN's kernels lose to it on the
-few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon: 17.9 ms for one row against 27.4) and win past
-8 rows, so the operator gives it up to 8 rows and calls oneDNN's product on its layout, from C++, for more. The copy
-doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the
-memory free at load.
+few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon: 11.6 ms for one row against 17.4 in an idle
+hour, 17.9 against 27.4 in a busy one) and win past 8 rows, so the operator gives it up to 8 rows and calls oneDNN's
+product on its layout, from C++, for more. The copy doubles the linear weights' memory (SmolLM2: 270 MB more), so it
+is made only where it takes at most an eighth of the memory free at load.
 
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;

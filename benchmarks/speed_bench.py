@@ -13,6 +13,9 @@ measured in turn while the others idle, so that the machine's drift meets them a
   prefixgate serves from its cache and llama.cpp's server from a slot that kept the prompt.
 
 The GGUF files are the model folder converted with llama.cpp's `convert_hf_to_gguf.py --outtype f32` (and `bf16`).
+`--against PATH` also serves another build's `prefixgate` executable by default, in the same rounds (repeat it): on a
+machine whose speed drifts within the hour, two builds measured in turn compare where two runs one after the other
+do not.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ async def main() -> None:
     parser.add_argument("--prefixgate", default=own_prefixgate())
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable")
     parser.add_argument("--gguf", action="append", default=[], help="a model file for llama-server (repeat it)")
+    parser.add_argument("--against", action="append", default=[], help="another build's prefixgate, served by default")
     args = parser.parse_args()
     import torch
 
@@ -73,6 +77,7 @@ async def main() -> None:
         ("prefixgate --compile off", served(args.prefixgate, "--compile", "off"), True),
         ("prefixgate --dtype float32", served(args.prefixgate, "--dtype", "float32"), True),
     ]
+    servers += [(f"{other} (default)", served(other), True) for other in args.against]
     if args.llama_server:
         servers += [(f"llama.cpp {Path(g).name}", llama_server(args.llama_server, g), False) for g in args.gguf]
     async with contextlib.AsyncExitStack() as stack:

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedTokenizerFast
 
 from prefixgate.backends import attention as attention_module
-from prefixgate.backends import model_runner
+from prefixgate.backends import model_runner, packed_linear
 from prefixgate.backends.model_runner import ModelRunner, StepInput
-from prefixgate.backends.packed_linear import applies
+from prefixgate.backends.packed_linear import PackedLinear, applies
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
@@ -88,6 +89,43 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         for buffer, copy in zip(buffers, copies, strict=True):
             torch.testing.assert_close(buffer, copy, atol=1e-5, rtol=0)  # each wrote the same K and V
+
+
+@pytest.mark.skipif(not packed_linear.bfloat16_products(), reason="the linear kernel takes no bfloat16 here")
+def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_and_give_the_eager_logits(
+    make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    # Up to 8 rows a product runs on the kernel's pair panels, more on oneDNN's layout called from the same C++
+    # operator: a compiled step calls it either way, with no branch on the row count in the graph.
+    model = as_blocks(make_llama(tokenizer), torch.bfloat16)
+    backend = make_backend(model, compile_steps=True, prepack_weights=True)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert backend.prepacked == len(layers) > 0 and all("pairs" in layer.layout for layer in layers)
+    assert backend.compiling is not None
+    backend.compiling.join()
+    assert backend.steps == "compiled"
+    compiled, eager = backend._runner, ModelRunner(model)
+    g = backend.geometry
+    prompt = make_prompt(40)
+    for step, onednn in (
+        (lambda kv: [StepInput(prompt[:1], kv[0], 0)], False),  # one row
+        (lambda kv: [StepInput(prompt[5:6], kv[i], 20 + i) for i in range(3)], False),  # three decoding streams
+        (lambda kv: [StepInput(prompt[:13], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], True),  # 14 rows
+    ):
+        buffers = [torch.randn((g.layers, 2, g.kv_heads, 40, g.head_dim), dtype=torch.bfloat16) for _ in range(3)]
+        copies = [buffer.clone() for buffer in buffers]
+        with torch.inference_mode(), attention_calls() as calls, profile(activities=[ProfilerActivity.CPU]) as ran:
+            logits = compiled.run(step(buffers))
+        assert calls == []
+        counts = {event.key: event.count for event in ran.key_averages()}
+        assert counts.get("prefixgate::linear_panels") == len(layers)  # every product through the operator
+        # past 8 rows, oneDNN's: every layer's but the output projection's, which takes a row per sequence
+        assert counts.get("mkldnn::_linear_pointwise", 0) == (len(layers) - 1 if onednn else 0)
+        with torch.inference_mode():
+            expected = eager.run(step(copies))
+        # Compiled and eager bfloat16 round what runs between the products differently (here up to 4.5 units in the
+        # last place of the largest logits, with oneDNN's products alone as with the kernel's): within 5% of them.
+        assert float((logits.float() - expected.float()).abs().max()) <= 0.05 * float(expected.float().abs().max())
 
 
 def test_two_models_in_one_process_each_run_graphs_of_their_own(

@@ -330,7 +330,8 @@ def _pack(linear: torch.nn.Linear, pairs: bool = True) -> PackedLinear | None:
 def prepare(model: torch.nn.Module) -> None:
     """Build and load the kernel now where `prepack_linear_weights` will pack this model's layers (10 to 15 s at a first
     start, once per source and torch); runs no torch kernel, so any thread may call it."""
-    if applies(model):
+    weight = next(model.parameters(), None)
+    if applies(model) and weight is not None and (weight.dtype == torch.float32 or _BF16_FLAGS[-1] in _flags()):
         _kernel()
 
 
@@ -384,7 +385,7 @@ def _flags() -> tuple[str, ...]:
 def bfloat16_products() -> bool:
     """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 8 rows, beside
     oneDNN's layout)."""
-    return _kernel() and _BF16_FLAGS[-1] in _flags()
+    return _BF16_FLAGS[-1] in _flags() and _kernel()  # no build where it could not take them
 
 
 @functools.cache

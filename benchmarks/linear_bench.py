@@ -1,4 +1,4 @@
-"""A step's linear layers, alone: float32 on the C++ kernel's layouts against oneDNN's and MKL's, SmolLM2's 211 layers.
+"""A step's linear layers, alone: SmolLM2's 211 layers on the C++ kernel's layouts against oneDNN's (and MKL's).
 
 Run by hand: `.venv/bin/python benchmarks/linear_bench.py` (about a minute). SmolLM2's linear layers in float32 (its 30
 layers' projections and MLPs, and the output projection), each packed three ways and as torch holds them, are run one
@@ -9,6 +9,11 @@ oneDNN's layout as `packed_linear` makes it where the kernel does not build, and
 served layer on Intel's CPUs takes past 64 rows). It prints the median time of all 211 for each row count, the four
 taking turns, and what reading the float weights once takes (a sum over a tensor of their size). Where the kernel does
 not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
+
+Where the kernel takes bfloat16 (AVX-512 BF16), a second table: the same layers in bfloat16 as a server packs them (the
+kernel's pair panels for up to 8 rows, oneDNN's layout past them, called from C++) against oneDNN's layout alone
+through the Python operator (`prefixgate::packed_linear`, as layers where the kernel does not take bfloat16 run), and
+what reading the bfloat16 weights once takes.
 """
 
 from __future__ import annotations
@@ -76,6 +81,33 @@ def main() -> None:
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
     columns = ["rows", "C++ kernel, codes", "C++ kernel, floats", "oneDNN's layout", "torch's own (MKL)"]
     table([*columns, "reading the float weights"], rows)
+    backend.close()
+    if packed_linear.bfloat16_products():
+        bfloat16()
+
+
+def bfloat16() -> None:
+    """Print the bfloat16 table: the kernel's pair panels (oneDNN past 8 rows) against oneDNN's layout alone."""
+    backend = HFBackend.load("smollm2-135m", dtype="bfloat16", prepack_weights=False, compile_steps=False)
+    plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
+    served = [PackedLinear(linear) for linear in plain]
+    onednn = [PackedLinear(linear, pairs=False) for linear in plain]
+    weights = torch.ones(sum(linear.weight.numel() for linear in plain) // 2)  # the bfloat16 weights' bytes
+    print(f"\nThe same {len(plain)} layers in bfloat16, {weights.nbytes / 1e6:.0f} MB; the median of {ROUNDS} rounds\n")
+    rows = []
+    with torch.inference_mode():
+        (reading,) = median_ms([weights.sum])
+        for count in ROWS:
+            inputs = {n: torch.randn(count, n, dtype=torch.bfloat16) for n in {linear.in_features for linear in plain}}
+
+            def run(layers: list[PackedLinear], inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+
+            times = median_ms([lambda: run(served), lambda: run(onednn)])
+            rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
+    columns = ["rows", "C++ kernel (oneDNN past 8 rows)", "oneDNN's layout (Python operator)"]
+    table([*columns, "reading the weights"], rows)
     backend.close()
 
 

@@ -1,5 +1,5 @@
 /* A packed step's attention on x86 CPUs: see cpu_attention.py. Built one of two ways: for bfloat16 on AVX-512 BF16 (and
-   AMX where there is), or with -DFLOAT32 for float32 on AVX2 and FMA; the inner parts of each are in
+   AMX where there is), or with -DFLOAT32 for float32 on AVX2 and FMA (or AVX-512); the inner parts of each are in
    cpu_attention_bf16.h and cpu_attention_f32.h, the call and its sharing out of work here.
 
    A call attends parts (each request's rows over its own positions, or all readers' rows over a shared prefix), its
@@ -76,6 +76,34 @@ static inline void fetch_rest(ahead_of *ahead) {
         _mm_prefetch(ahead->v + ahead->at, _MM_HINT_T1);
     }
 }
+
+#if defined(__AVX512F__)  /* every build but float32's AVX2 one */
+static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+#endif
 
 /* Each defines the scratch of a thread, pack (a chunk's keys and values made ready), attend_block (which also sees
    the next chunk fetched), merge_block (a block's output merged into an item's running one), load_held and

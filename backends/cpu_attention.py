@@ -1,5 +1,6 @@
 """A packed step's attention on x86 CPUs: a small C kernel, built with the machine's C compiler on first use, for
-bfloat16 on CPUs with AVX-512 BF16 and for float32 on CPUs with AVX2 and FMA.
+bfloat16 on CPUs with AVX-512 BF16 and for float32 on CPUs with AVX2 and FMA (and a second float32 build where the CPU
+has AVX-512, for calls of many rows: see `Kernels`).
 
 Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
 stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
@@ -50,6 +51,11 @@ _AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # added where the CPU has AMX: its pr
 _AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 _F32_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-DFLOAT32")
 _F32_CPU_FLAGS = ("avx2", "fma")
+_F32_AVX512_FLAGS = ("-mavx512f",)  # a second float32 build where the CPU has AVX-512: vectors of 16 floats, not 8
+_F32_AVX512_CPU_FLAGS = ("avx512f",)
+# A call whose parts have at most this many query rows a KV head runs on the float32 AVX2 build where there is also an
+# AVX-512 one, which takes the rest (as in cpu_attend.cpp): see `Kernels`.
+FEW_ROWS = 8
 _DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # as in cpu_attention.c
 _OPERATOR_SOURCE = _SOURCE.with_name("cpu_attend.cpp")
 _OPERATOR_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
@@ -159,9 +165,10 @@ def attend_parts(
     `[causal_from, causal_from + length)`. One call for a step's requests, each over its own positions: the threads
     start once and share out the work of every request, with no tensor made per request."""
     dtype = queries.dtype
-    library = _library(dtype)
-    assert library is not None, "attend_parts where applies() said no"
+    kernels = _library(dtype)
+    assert kernels is not None, "attend_parts where applies() said no"
     _, heads, _, head_dim = queries.shape
+    library = kernels.of(heads // plan.kv_heads * max(part.length for part in plan.parts))
     assert queries.stride(3) == out.stride(3) == 1 and out.dtype == dtype and lse.dtype == torch.float32
     assert plan.dtype == dtype and plan.head_dim == head_dim and 0 <= layer < plan.layers
     new_k = new_v = None
@@ -211,12 +218,13 @@ class StepLayout:
     def __init__(self, own: Plan, readers: Sequence[Readers]) -> None:
         plans = (own, *(r.plan for r in readers))
         assert all((p.dtype, p.kv_heads, p.head_dim) == (own.dtype, own.kv_heads, own.head_dim) for p in plans)
-        library = _library(own.dtype)
-        assert library is not None and _operator() is not None, "StepLayout where takes() said no"
+        kernels = _library(own.dtype)
+        assert kernels is not None and _operator() is not None, "StepLayout where takes() said no"
         self.own, self.readers = own, tuple(readers)  # what the addresses below point into, alive as long as this
         self._readers = (_Readers * len(readers))(*map(_Readers.of, readers))
         self.laid_out = _Step(
-            kernel=ctypes.cast(library.prefixgate_attend_parts, ctypes.c_void_p).value,
+            kernel=_address(kernels.few),
+            many_rows_kernel=_address(kernels.many),
             bfloat16=int(own.dtype == torch.bfloat16),
             kv_heads=own.kv_heads,
             head_dim=own.head_dim,
@@ -258,6 +266,7 @@ class _Step(ctypes.Structure):
 
     _fields_ = [
         ("kernel", ctypes.c_void_p),
+        ("many_rows_kernel", ctypes.c_void_p),
         ("bfloat16", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),
@@ -269,31 +278,58 @@ class _Step(ctypes.Structure):
     ]
 
 
+def _address(library: ctypes.CDLL) -> int | None:
+    """Return the address of a build's `prefixgate_attend_parts`."""
+    return ctypes.cast(library.prefixgate_attend_parts, ctypes.c_void_p).value
+
+
 def _placed(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
     """Return a pointer to rows `[1, heads, count, d]` and their head and row strides (None, 0, 0 for none)."""
     return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(1), rows.stride(2))
 
 
+class Kernels(NamedTuple):
+    """The builds a dtype's calls run on: `few` for calls whose parts have at most `FEW_ROWS` query rows a KV head,
+    `many` for the rest. Two builds only for float32 on CPUs with AVX-512, where its vectors of 16 took more time than
+    AVX2's 8 for one and two decoding streams (SmolLM2's 30 layers over a 4k prefix, 2 cores of a Xeon: 10.6 and 10.9
+    ms against 9.8 and 10.3) and less for more rows (16 streams 24.0 against 28.9, 16 prompts of 27 tokens 460 against
+    680); each call's results are the same bits on either (see cpu_attention_f32.h)."""
+
+    few: ctypes.CDLL
+    many: ctypes.CDLL
+
+    def of(self, rows: int) -> ctypes.CDLL:
+        """Return the build for a call whose largest part has `rows` query rows a KV head."""
+        return self.many if rows > FEW_ROWS else self.few
+
+
 @functools.cache
-def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+def _library(dtype: torch.dtype) -> Kernels | None:
     """Build (once per source) and load the kernel for `dtype`; None, said once in the log, where it cannot run."""
     why = unavailable(dtype)
     if why is None:
-        # Where the CPU has AMX its build comes first; where that one fails (an older compiler, a Linux that does not
-        # grant the tiles), the AVX-512 BF16 build.
+        # bfloat16: where the CPU has AMX its build serves every call, or where that one fails (an older compiler, a
+        # Linux that does not grant the tiles), the AVX-512 BF16 build. float32: AVX2, and AVX-512 for many rows.
         failures: list[str] = []
+        loaded: list[tuple[str, ctypes.CDLL]] = []  # the builds loaded, the last of `_builds` first
         for flags in reversed(_builds(dtype)):
-            name = build_name(flags)
-            loaded = _load(flags)
-            if not isinstance(loaded, str):
-                _log.info(
-                    "packed steps in %s attend with the C kernel (%s)%s",
-                    _name(dtype),
-                    name,
-                    "".join(f"; {f}" for f in failures),
-                )
-                return loaded
-            failures.append(f"{loaded} ({name})")
+            library = _load(flags)
+            if isinstance(library, str):
+                failures.append(f"{library} ({build_name(flags)})")
+                continue
+            loaded.append((build_name(flags), library))
+            if dtype != torch.float32:
+                break
+        if loaded:
+            (many_name, many), (few_name, few) = loaded[0], loaded[-1]
+            names = few_name if many is few else f"{few_name}; {many_name} for calls of more than {FEW_ROWS} rows"
+            _log.info(
+                "packed steps in %s attend with the C kernel (%s)%s",
+                _name(dtype),
+                names,
+                "".join(f"; {f}" for f in failures),
+            )
+            return Kernels(few, many)
         why = "; ".join(failures)
     _log.info("packed steps in %s attend with torch's kernels: the C kernel %s", _name(dtype), why)
     return None
@@ -370,18 +406,20 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def _builds(dtype: torch.dtype) -> list[tuple[str, ...]]:
-    """The compiler's flags of each build this CPU runs for `dtype`, the one used last: for bfloat16, AVX-512 BF16
-    products, and where the CPU has AMX, AMX tiles; for float32, AVX2 and FMA."""
+    """The compiler's flags of each build this CPU runs for `dtype`: for bfloat16, AVX-512 BF16 products, and where the
+    CPU has AMX, AMX tiles (used when it loads); for float32, AVX2 and FMA, and where the CPU has AVX-512, its vectors
+    (for calls of many rows, see `Kernels`)."""
     if dtype == torch.float32:
-        return [_F32_FLAGS]
+        has_avx512 = all(flag in (cpu_flags() or ()) for flag in _F32_AVX512_CPU_FLAGS)
+        return [_F32_FLAGS, _F32_FLAGS + _F32_AVX512_FLAGS] if has_avx512 else [_F32_FLAGS]
     has_amx = all(flag in (cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
     return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
 
 
 def build_name(flags: tuple[str, ...]) -> str:
-    """Say what a build's products run on: "AMX", "AVX-512 BF16" or "AVX2 float32"."""
+    """Say what a build's products run on: "AMX", "AVX-512 BF16", "AVX-512 float32" or "AVX2 float32"."""
     if "-DFLOAT32" in flags:
-        return "AVX2 float32"
+        return "AVX-512 float32" if _F32_AVX512_FLAGS[0] in flags else "AVX2 float32"
     return "AMX" if _AMX_FLAGS[0] in flags else "AVX-512 BF16"
 
 

@@ -1,5 +1,5 @@
-"""The C attention kernel (bfloat16 on AVX-512 BF16 or AMX, float32 on AVX2): built by the machine's compiler, exact
-to float32 scores, optional."""
+"""The C attention kernel (bfloat16 on AVX-512 BF16 or AMX, float32 on AVX2 or AVX-512): built by the machine's
+compiler, exact to float32 scores, optional."""
 
 from __future__ import annotations
 
@@ -69,11 +69,11 @@ def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
     build: tuple[str, ...],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there); AVX2 for
-    # float32.
+    # Each build this CPU runs: AVX-512 BF16 products, and on a CPU with AMX, AMX tiles (the one used there); for
+    # float32 AVX2, and on a CPU with AVX-512 its vectors (the one used there).
     library = cpu_attention._load(build)
     assert not isinstance(library, str), library
-    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: library)
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: cpu_attention.Kernels(library, library))
     torch.manual_seed(0)
     scale = head_dim**-0.5
     queries = torch.randn(1, heads, count, head_dim).to(dtype)
@@ -175,6 +175,131 @@ def test_each_heads_keys_are_split_into_runs_by_the_threads_and_merged_exactly(
         torch.set_num_threads(before)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.double(), expected, **close(dtype))
+
+
+@pytest.mark.skipif(
+    len(cpu_attention._builds(torch.float32)) < 2 or torch.float32 not in KERNEL_DTYPES,
+    reason="the float32 kernel has no AVX-512 build on this CPU",
+)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "count", "tokens", "head_dim", "causal_from"),
+    [
+        (9, 3, 8, 4096, 64, None),  # 8 decoding streams on a 4k prefix
+        (9, 3, 432, 1000, 64, None),  # 16 prompts of 27 tokens: past 3 vectors of rows, and a block of 64
+        (4, 1, 8, 515, 64, None),  # keys that end inside a run of 8 and of 256
+        (4, 2, 7, 77, 128, None),  # a wider head
+        (9, 3, 300, 1000, 64, 700),  # a prompt's own keys, causally
+        (2, 2, 33, 40, 48, 7),  # a head of 48: three vectors of 16, one and a half of AVX2's
+    ],
+)
+def test_the_avx512_float32_build_gives_the_avx2_builds_bits(
+    heads: int,
+    kv_heads: int,
+    count: int,
+    tokens: int,
+    head_dim: int,
+    causal_from: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each output is the same sum of the same products in the same order in 8 lanes or 16: wider vectors change how
+    # many are done at once, never a result.
+    avx2, avx512 = (cpu_attention._load(build) for build in cpu_attention._builds(torch.float32))
+    assert not isinstance(avx2, str) and not isinstance(avx512, str)
+    torch.manual_seed(0)
+    queries = torch.randn(1, heads, count, head_dim)
+    kv = torch.randn(2, kv_heads, tokens, head_dim) * 2
+    held, held_lse = torch.randn(1, heads, count, head_dim), torch.randn(1, heads, count)  # attention over others
+    results = []
+    for library in (avx2, avx512):
+        kernels = cpu_attention.Kernels(library, library)
+        monkeypatch.setattr(cpu_attention, "_library", lambda dtype, kernels=kernels: kernels)
+        out, lse = held.clone(), held_lse.clone()
+        cpu_attention.attend_into(queries, kv, head_dim**-0.5, out, lse, causal_from=causal_from)
+        results.append((out, lse))
+    (out_avx2, lse_avx2), (out_avx512, lse_avx512) = results
+    assert torch.equal(out_avx512, out_avx2) and torch.equal(lse_avx512, lse_avx2)
+    assert not torch.equal(out_avx2, held)  # it attended
+
+
+# A kernel that takes no sizes at all: where a call runs on it, the call says so.
+REFUSING_KERNEL = """
+#include <stdint.h>
+int prefixgate_request_amx(void) { return 0; }
+int prefixgate_attend_parts(const void *q, int64_t q_head, int64_t q_row, void *out, int64_t out_head, int64_t out_row,
+                            float *lse, int64_t lse_head, int64_t lse_row, const void *new_k, int64_t new_k_head,
+                            int64_t new_k_row, const void *new_v, int64_t new_v_head, int64_t new_v_row,
+                            int64_t kv_heads, int64_t groups, int64_t d, float scale, int64_t layer, int64_t count,
+                            const int64_t *plans) {
+    return -1;
+}
+"""
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_calls_of_more_than_a_few_rows_a_kv_head_run_on_the_many_rows_build(
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = cpu_attention._library(dtype)
+    assert real is not None
+    source = tmp_path / "refusing.c"
+    source.write_text(REFUSING_KERNEL)
+    with monkeypatch.context() as building:
+        building.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
+        building.setattr(cpu_attention, "_SOURCES", (source,))
+        refusing = cpu_attention._load(("-shared", "-fPIC"))
+    assert not isinstance(refusing, str), refusing
+    torch.manual_seed(0)
+    prefix = torch.randn(2, 2, 3, 300, 64).to(dtype)  # prefix: [layers, 2, kv_heads, positions, head_dim]
+    own = torch.randn(2, 2, 2, 3, 64, 64).to(dtype)  # each request's own: [layers, 2, kv_heads, capacity, d]
+    query = torch.randn(1, 9, 4, 64).to(dtype)  # 2 requests of 2 new tokens each: 6 rows a KV head, 12 reading both
+    key, value = torch.randn(2, 1, 3, 4, 64).to(dtype)
+    segments = tuple(attention_module.Segment(own[i], 300 + 20, 2, 300, (prefix,)) for i in range(2))
+    for kernels, refused in (
+        (cpu_attention.Kernels(real.few, refusing), "many"),
+        (cpu_attention.Kernels(refusing, real.many), "few"),
+    ):
+        monkeypatch.setattr(cpu_attention, "_library", lambda dtype, kernels=kernels: kernels)
+        for count in (2, 3):  # 6 query rows a KV head, then 9: through the Python call
+            queries, out, lse = (
+                torch.randn(1, 9, count, 64).to(dtype),
+                torch.zeros(1, 9, count, 64).to(dtype),
+                torch.full((1, 9, count), float("-inf")),
+            )
+            if (count == 3) == (refused == "many"):
+                with pytest.raises(ValueError, match="does not take these sizes"):
+                    cpu_attention.attend_into(queries, prefix[0], 0.125, out, lse)
+            else:
+                cpu_attention.attend_into(queries, prefix[0], 0.125, out, lse)
+                assert torch.isfinite(lse).all()
+        # A step through the C++ operator: each request's own positions are one call of 6 rows a KV head, the prefix
+        # both read another of 12; the one on the refusing build fails the step.
+        batch = attention_module.PackedBatch.of(segments)
+        with attention_module.packed_step(batch), pytest.raises(RuntimeError, match="does not take this step's sizes"):
+            torch.ops.prefixgate.attend(query, key, value, 1, 0.125, None, None)
+        few_rows_only = attention_module.PackedBatch.of(
+            tuple(attention_module.Segment(own[i], 20, 2) for i in range(2))
+        )
+        with attention_module.packed_step(few_rows_only):
+            if refused == "few":
+                with pytest.raises(RuntimeError, match="does not take this step's sizes"):
+                    torch.ops.prefixgate.attend(query, key, value, 1, 0.125, None, None)
+            else:
+                assert torch.isfinite(torch.ops.prefixgate.attend(query, key, value, 1, 0.125, None, None)).all()
+
+
+def test_float32_calls_of_many_rows_run_on_the_avx512_build_where_the_cpu_has_it(caplog: Any) -> None:
+    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+        kernels = cpu_attention._library.__wrapped__(torch.float32)
+    if kernels is None:
+        pytest.skip("the float32 kernel does not run here")
+    builds = cpu_attention._builds(torch.float32)
+    assert kernels.few._name == str(cpu_attention.build(cpu_attention._SOURCES, builds[0]))  # AVX2
+    assert kernels.many._name == str(cpu_attention.build(cpu_attention._SOURCES, builds[-1]))
+    assert kernels.of(8) is kernels.few and kernels.of(9) is kernels.many
+    if len(builds) == 2:
+        assert "(AVX2 float32; AVX-512 float32 for calls of more than 8 rows)" in caplog.text
+    else:
+        assert kernels.many is kernels.few and "(AVX2 float32)" in caplog.text
 
 
 @contextmanager
@@ -360,10 +485,10 @@ def test_the_kernel_is_built_once_per_source(
 ) -> None:
     monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: tmp_path)
     assert cpu_attention._library.__wrapped__(dtype) is not None
-    (built,) = tmp_path.glob("cpu_attention-*.so")
-    stamp = built.stat().st_mtime_ns
+    built = {path: path.stat().st_mtime_ns for path in tmp_path.glob("cpu_attention-*.so")}
+    assert built  # float32 on a CPU with AVX-512: two builds
     assert cpu_attention._library.__wrapped__(dtype) is not None
-    assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_attention-*.so")] == [stamp]
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.glob("cpu_attention-*.so")} == built
 
 
 @needs_bfloat16_kernel

@@ -300,11 +300,16 @@ def _pairs_fit(model: torch.nn.Module) -> bool:
     """Say whether a bfloat16 model's linear weights may be laid out for the kernel beside oneDNN's layout: where the
     kernel takes bfloat16 and a second copy of them takes at most an eighth of the memory free now (SmolLM2's: 270 MB;
     a model of 8 billion parameters would double its 16 GB)."""
-    weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
+    weights = {  # those laid out so (an even width), each once however many layers share it
+        id(m.weight): m.weight
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 and m.in_features % 2 == 0
+    }
     if not weights or not bfloat16_products():
         return False
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    needed = sum(weight.nbytes for weight in weights)
+    # what `_pairs` makes of each: its rows padded to 16
+    needed = sum((w.shape[0] + 15) // 16 * 16 * w.shape[1] * w.element_size() for w in weights.values())
     if needed > free // 8:
         _log.info(
             "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it would take %.0f MB, more "
@@ -411,7 +416,7 @@ def _kernel() -> bool:
             also = ", and bfloat16 decode steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""
             _log.info("float32 linear layers run on the C++ kernel (%s float32%s)", kind, also)
             return True
-    _log.info("float32 linear layers are prepacked for oneDNN: the C++ kernel %s", why)
+    _log.info("linear layers run on oneDNN's and torch's products alone: the C++ kernel %s", why)
     return False
 
 

@@ -19,7 +19,9 @@ Each row of 1 and 2 is measured in `--rounds` rounds (3; each round short prompt
 so that a machine whose speed drifts meets both sides of a ratio alike: the medians are printed, and each ratio's
 median with its lowest and highest.
 
-`--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say), `--flag` passes a flag to
+`--prefixgate PATH` runs another build's `prefixgate` executable (before sharing, say); `--against PATH` runs another
+build beside this one (repeat it), each measured in turn in every round, so that two builds compare on a machine whose
+speed drifts (each row then names its build; table 3 is this build's alone). `--flag` passes a flag to
 `serve` (repeat it: `--flag=--dtype --flag=bfloat16`), `--json FILE` also writes the tables to FILE (as
 `benchmarks/gpu_check.sh` reads them). `--llama-server PATH --gguf FILE` runs llama.cpp's server
 instead, on the same weights converted to GGUF, with one slot per stream (tables 1 and 2; it reports no KV memory).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -187,6 +190,7 @@ async def main() -> None:
     parser.add_argument("--memory-streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="measures of each row, their median printed")
     parser.add_argument("--prefixgate", default=own_prefixgate())
+    parser.add_argument("--against", action="append", default=[], help="another build's prefixgate, in the same rounds")
     parser.add_argument("--flag", action="append", default=[], help="a flag for `prefixgate serve`")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server executable, run instead of prefixgate")
     parser.add_argument("--gguf", help="the model file llama-server runs")
@@ -195,76 +199,101 @@ async def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds needs 1 or more")
     peer = args.llama_server is not None
+    if peer and args.against:
+        parser.error("--against compares prefixgate builds; llama.cpp's server runs alone")
     import torch
 
     # `prefixgate serve` runs on CUDA when torch sees it, unless a flag says otherwise.
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     print(f"SmolLM2-135M-Instruct, {device}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {args.flag}\n")
-    rates, arrivals = [], []
+    builds = [args.prefixgate, *args.against]
+    rates: dict[str, list[list[str]]] = {build: [] for build in builds}
+    arrivals: dict[str, list[list[str]]] = {build: [] for build in builds}
     memory = None
-    if peer:
-        slots = max(args.streams, default=1)
-        context = slots * (max(args.prefixes, default=0) + 1024)  # one slot per stream, each with the whole prompt
-        server_context = launched(
-            lambda port: (
-                [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port)]
-                + ["-np", str(slots), "-c", str(context), *args.flag]
-            )
-        )
-    else:
-        server_context = served(args.prefixgate, *args.flag)
-    async with server_context as server:
-        url, pid = server.url, server.pid
-        await decode_rate(url, None, 2, 0)  # warm up
+    async with contextlib.AsyncExitStack() as stack:
+        if peer:
+            slots = max(args.streams, default=1)
+            context = slots * (max(args.prefixes, default=0) + 1024)  # one slot per stream, each with the whole prompt
+            command = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port"]
+            options = ["-np", str(slots), "-c", str(context), *args.flag]
+            servers = [await stack.enter_async_context(launched(lambda port: [*command, str(port), *options]))]
+        else:
+            servers = [await stack.enter_async_context(served(build, *args.flag)) for build in builds]
+        urls = dict(zip(builds, (server.url for server in servers), strict=True))
+        for url in urls.values():
+            await decode_rate(url, None, 2, 0)  # warm up
         asked = 1000  # every question is new: only the system prompt is cached
         for tokens in args.prefixes:
             system = system_prompt(tokens)
-            await first_tokens(url, system, 1, asked, warm=False)  # caches the prefix
+            for url in urls.values():
+                await first_tokens(url, system, 1, asked, warm=False)  # caches the prefix
             asked += 1
             for count in args.streams:
                 # llama.cpp's server keeps a prompt per slot: a first round on the prefix puts it in every slot the
                 # counted ones use (prefixgate holds it once either way).
-                await decode_rate(url, system, count, asked)
+                for url in urls.values():
+                    await decode_rate(url, system, count, asked)
                 asked += count
-                shorts, shareds, alones, slowests = [], [], [], []
-                for _ in range(args.rounds):  # short and shared in turn, so that a machine's drift meets both
-                    shorts.append(await decode_rate(url, None, count, asked))
-                    shareds.append(await decode_rate(url, system, count, asked + count))
-                    asked += 2 * count
-                    alones.append(
-                        statistics.median(
-                            [(await first_tokens(url, system, 1, asked + i, warm=not peer))[0] for i in range(3)]
+                rounds: dict[str, list[tuple[float, float, float, float]]] = {build: [] for build in builds}
+                for _ in range(args.rounds):  # each build, short and shared in turn: a machine's drift meets them alike
+                    for build, url in urls.items():
+                        short = await decode_rate(url, None, count, asked)
+                        shared = await decode_rate(url, system, count, asked + count)
+                        alone = statistics.median(
+                            [
+                                (await first_tokens(url, system, 1, asked + 2 * count + i, warm=not peer))[0]
+                                for i in range(3)
+                            ]
                         )
+                        slowest = max(await first_tokens(url, system, count, asked + 2 * count + 3, warm=not peer))
+                        rounds[build].append((short, shared, alone, slowest))
+                    asked += 3 * count + 3
+                for build, measured in rounds.items():
+                    shorts, shareds, alones, slowests = (list(column) for column in zip(*measured, strict=True))
+                    ratios = [shared / short for short, shared in zip(shorts, shareds, strict=True)]
+                    rates[build].append(
+                        [
+                            str(tokens),
+                            str(count),
+                            f"{_median(shorts):.1f}",
+                            f"{_median(shareds):.1f}",
+                            _spread(ratios, "{:.2f}x"),
+                        ]
                     )
-                    slowests.append(max(await first_tokens(url, system, count, asked + 3, warm=not peer)))
-                    asked += count + 3
-                rates.append(
-                    [
-                        str(tokens),
-                        str(count),
-                        f"{_median(shorts):.1f}",
-                        f"{_median(shareds):.1f}",
-                        _spread([shared / short for short, shared in zip(shorts, shareds, strict=True)], "{:.2f}x"),
-                    ]
-                )
-                arrivals.append(
-                    [
-                        str(tokens),
-                        str(count),
-                        f"{statistics.median(alones) * 1e3:.0f} ms",
-                        f"{statistics.median(slowests) * 1e3:.0f} ms",
-                        _spread([slowest / alone for alone, slowest in zip(alones, slowests, strict=True)], "{:.1f}x"),
-                    ]
-                )
+                    lateness = [slowest / alone for alone, slowest in zip(alones, slowests, strict=True)]
+                    arrivals[build].append(
+                        [
+                            str(tokens),
+                            str(count),
+                            f"{statistics.median(alones) * 1e3:.0f} ms",
+                            f"{statistics.median(slowests) * 1e3:.0f} ms",
+                            _spread(lateness, "{:.1f}x"),
+                        ]
+                    )
             if tokens == args.prefixes[0] and args.memory_streams and not peer:
-                memory = (tokens, *await memory_of(url, system, args.memory_streams, pid, asked))
+                memory = (
+                    tokens,
+                    *await memory_of(urls[args.prefixgate], system, args.memory_streams, servers[0].pid, asked),
+                )
                 asked += args.memory_streams
+    # With other builds, each row says whose it is.
+    named = (lambda build, row: [build, *row]) if args.against else (lambda build, row: row)
+    first = ["build"] if args.against else []
     print(f"Decode tokens/s of concurrent streams ({STREAM_TOKENS} tokens each), a short prompt or the cached prefix:")
-    table(["prefix", "streams", "short prompt", "shared prefix", "ratio"], rates)
+    rows = [named(build, row) for build in builds for row in rates[build]]
+    table([*first, "prefix", "streams", "short prompt", "shared prefix", "ratio"], rows)
     print("First token of warm requests (new questions after the cached prefix):")
-    table(["prefix", "at once", "one alone", "slowest of them", "ratio"], arrivals)
+    rows = [named(build, row) for build in builds for row in arrivals[build]]
+    table([*first, "prefix", "at once", "one alone", "slowest of them", "ratio"], rows)
     if args.json is not None:
-        tables = {"device": device, "flags": args.flag, "decode": rates, "arrivals": arrivals, "memory": memory}
+        tables = {
+            "device": device,
+            "flags": args.flag,
+            "decode": rates[args.prefixgate],
+            "arrivals": arrivals[args.prefixgate],
+            "memory": memory,
+            "against": {build: {"decode": rates[build], "arrivals": arrivals[build]} for build in args.against},
+        }
         args.json.write_text(json.dumps(tables, indent=1))
     if memory is not None:
         tokens, highest, shared, rss, refused = memory

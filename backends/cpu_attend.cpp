@@ -43,8 +43,9 @@ struct prefixgate_readers {
 /* A step laid out for the kernel (cpu_attention.StepLayout's structure): each request's own part, then each group of
    shared readers. */
 struct prefixgate_step {
-    attend_parts kernel;           /* for calls whose parts have at most FEW_ROWS query rows a KV head */
+    attend_parts kernel;           /* for calls whose parts have at most `few_rows` query rows a KV head */
     attend_parts many_rows_kernel; /* for the rest (another build only for float32 on AVX-512, see cpu_attention.py) */
+    int64_t few_rows;
     int64_t bfloat16; /* 1: the kernel's bfloat16 build; 0: its float32 one */
     int64_t kv_heads, head_dim, layers;
     int64_t parts;
@@ -58,15 +59,13 @@ static thread_local const prefixgate_step *current_step = nullptr;
 /* Set the step this thread runs (null: none), for the layers' calls of the operator until the next. */
 extern "C" void prefixgate_set_step(const prefixgate_step *step) { current_step = step; }
 
-static constexpr int64_t FEW_ROWS = 8; /* as cpu_attention.FEW_ROWS */
-
 static void attend_checked(const prefixgate_step *step, const at::Tensor &q, const at::Tensor &out,
                            const at::Tensor &lse, const at::Tensor *new_k, const at::Tensor *new_v, double scale,
                            int64_t layer, int64_t count, const int64_t *plans) {
     int64_t longest = 0; /* the largest part's rows: a plan's second number */
     for (int64_t p = 0; p < count; p++) longest = std::max(longest, plans[8 * p + 1]);
     const attend_parts kernel =
-        longest * (q.size(1) / step->kv_heads) > FEW_ROWS ? step->many_rows_kernel : step->kernel;
+        longest * (q.size(1) / step->kv_heads) > step->few_rows ? step->many_rows_kernel : step->kernel;
     const int failed = kernel(
         q.const_data_ptr(), q.stride(1), q.stride(2), out.mutable_data_ptr(), out.stride(1), out.stride(2),
         lse.mutable_data_ptr<float>(), lse.stride(1), lse.stride(2), new_k ? new_k->const_data_ptr() : nullptr,

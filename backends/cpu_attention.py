@@ -54,7 +54,7 @@ _F32_CPU_FLAGS = ("avx2", "fma")
 _F32_AVX512_FLAGS = ("-mavx512f",)  # a second float32 build where the CPU has AVX-512: vectors of 16 floats, not 8
 _F32_AVX512_CPU_FLAGS = ("avx512f",)
 # A call whose parts have at most this many query rows a KV head runs on the float32 AVX2 build where there is also an
-# AVX-512 one, which takes the rest (as in cpu_attend.cpp): see `Kernels`.
+# AVX-512 one, which takes the rest (here and in the C++ operator, which a step hands it to): see `Kernels`.
 FEW_ROWS = 8
 _DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # as in cpu_attention.c
 _OPERATOR_SOURCE = _SOURCE.with_name("cpu_attend.cpp")
@@ -225,6 +225,7 @@ class StepLayout:
         self.laid_out = _Step(
             kernel=_address(kernels.few),
             many_rows_kernel=_address(kernels.many),
+            few_rows=FEW_ROWS,
             bfloat16=int(own.dtype == torch.bfloat16),
             kv_heads=own.kv_heads,
             head_dim=own.head_dim,
@@ -267,6 +268,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("kernel", ctypes.c_void_p),
         ("many_rows_kernel", ctypes.c_void_p),
+        ("few_rows", ctypes.c_int64),
         ("bfloat16", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),

@@ -25,7 +25,9 @@
    the end (to nearest, ties to even, as torch rounds). They take at most PAIR_ROWS rows (a decode step of a few
    streams): more go to oneDNN's product on its own layout (`mkldnn::_linear_pointwise`, called here as
    packed_linear.py's Python operator calls it where the kernel does not take a layer), whose matrix units are the
-   faster there. */
+   faster there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
+   (bfloat16 code panels): each pair row is rebuilt as float32 and rounded to bfloat16 in registers, which is the pair
+   panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. */
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,6 +49,11 @@
    27.4, 11.6 against 17.4) and the faster past them (12 rows 30.8 against 28.4), its matrix units working on many rows
    at once. */
 #define PAIR_ROWS 8
+/* The most rows a bfloat16 code panel takes, where the weight has one: rebuilding each pair of weights as the rows
+   meet it reads fewer bytes but costs instructions, so it is the faster for few rows and the pair panels for more
+   (SmolLM2's 211 layers on 2 cores of the Xeon, in turn: one row 8.9 ms against 12.2, four 11.6 against 14.5, five
+   13.2 against 14.9, six 16.2 against 16.1, eight 19.7 against 18.3). */
+#define CODED_PAIR_ROWS 5
 
 /* 16 columns of one row: one AVX-512 vector where the build has AVX-512 (-mavx512f), else two AVX2 vectors. Each
    lane's arithmetic is the same in both, so the two builds give the same bits. With 32 vector registers, AVX-512
@@ -168,6 +175,55 @@ static inline __attribute__((always_inline)) void product(const uint16_t *a, int
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
 
+/* Two values of k (pair row i) of a bfloat16 code panel, as a pair panel holds them: its 32 codes in pair order (column
+   j's two at 2j and 2j + 1; int8, or two to a byte: code p in the low half of byte p and code p + 16 in the high half
+   of byte p), each rebuilt as decode() rebuilds a float32 weight, d q + o in one rounding, and then rounded to
+   bfloat16 (to nearest, ties to even, as torch rounds a float32 weight to bfloat16). `d` and `o`: the 16 columns'
+   of the block. */
+static inline __attribute__((always_inline)) __m512bh rebuild_pair(const int8_t *codes, const int half, int64_t i,
+                                                                   __m512 d, __m512 o) {
+    /* each of columns 0 to 7 twice, and of 8 to 15 */
+    const __m512i low_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(8));
+    __m512i low, high;
+    if (half) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i * 16)));
+        low = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+        high = _mm512_srli_epi32(bytes, 4);
+    } else {
+        low = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + i * 32)));
+        high = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + i * 32 + 16)));
+    }
+    const __m512 first = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_permutexvar_ps(low_columns, d),
+                                         _mm512_permutexvar_ps(low_columns, o));
+    const __m512 second = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), _mm512_permutexvar_ps(high_columns, d),
+                                          _mm512_permutexvar_ps(high_columns, o));
+    return _mm512_cvtne2ps_pbh(second, first);
+}
+
+/* product() in bfloat16 for a chunk of bfloat16 code panel: each pair row rebuilt in registers as the pair panel's,
+   so the sums are the pair panels' to the bit. */
+static inline __attribute__((always_inline)) void coded_product(const uint16_t *a, int64_t lda, const int8_t *codes,
+                                                                const int half, const float *scales,
+                                                                const float *offsets, int64_t depth, float *c, int add,
+                                                                const char *next, int64_t lines, const int rows) {
+    __m512 acc[MOST_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
+        const __m512 d = _mm512_loadu_ps(scales + i0 / BLOCK * 16), o = _mm512_loadu_ps(offsets + i0 / BLOCK * 16);
+        for (int64_t i = i0 / 2; i < (i0 + BLOCK) / 2; i++) {
+            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
+            const __m512bh bi = rebuild_pair(codes, half, i, d, o);
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, a + r * lda + 2 * i, sizeof pair);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), bi);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
 /* The 16 sums of a row rounded to bfloat16 (to nearest, ties to even) after the bias is added, the first `columns`
    written to `out`. */
 static inline void round_out(const float *c, const uint16_t *bias, int64_t columns, uint16_t *out) {
@@ -228,7 +284,8 @@ static inline __attribute__((always_inline)) void coded_product(const float *a, 
 }
 
 /* A chunk of code panel met by `count` rows of x, at most MOST_ROWS (`half` a constant where it is inlined). */
-static inline __attribute__((always_inline)) void coded_chunk(const float *x, int64_t k, int64_t count,
+template <typename T>
+static inline __attribute__((always_inline)) void coded_chunk(const T *x, int64_t k, int64_t count,
                                                               const int8_t *codes, const int half, const float *scales,
                                                               const float *offsets, int64_t depth, float *c, int add,
                                                               const char *next, int64_t lines) {
@@ -237,9 +294,10 @@ static inline __attribute__((always_inline)) void coded_chunk(const float *x, in
 
 /* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
    to 16), or code panels [n / 16][k][16] of `bits` 8 or 4 (then [n / 16][k][8] bytes) with their scales and offsets
-   [n / 16][k / BLOCK][16] (k a multiple of BLOCK), or bfloat16 pair panels [n / 16][k / 2][16][2] (k even); the
-   pointers not used, and a missing bias, are NULL. `onednn`: for bfloat16, the same weight laid out for oneDNN (its
-   tensor, which the layer keeps), which takes more than PAIR_ROWS rows. */
+   [n / 16][k / BLOCK][16] (k a multiple of BLOCK); or, `bfloat16`, pair panels [n / 16][k / 2][16][2] (k even), and
+   where the weight was rounded from codes, bfloat16 code panels [n / 16][k / 2][32] (or [n / 16][k / 2][16] bytes) with
+   their scales and offsets as above. The pointers not used, and a missing bias, are NULL. `onednn`: for bfloat16, the
+   same weight laid out for oneDNN (its tensor, which the layer keeps), which takes more than PAIR_ROWS rows. */
 struct prefixgate_linear_weight {
     int64_t n, k;
     const float *panels;
@@ -249,18 +307,19 @@ struct prefixgate_linear_weight {
     const void *bias;
     const uint16_t *pairs;
     c10::TensorImpl *onednn;
+    int64_t bfloat16; /* rows of bfloat16, on pair panels or on bfloat16 code panels */
 };
 
-/* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t, pair panels).
-   Panels are shared out among the threads. */
+/* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t), from the
+   weight's code panels where `coded`, else its float or pair panels. Panels are shared out among the threads. */
 template <typename T>
-static void linear(const struct prefixgate_linear_weight *w, const T *x, int64_t m, T *y) {
+static void linear(const struct prefixgate_linear_weight *w, const int coded, const T *x, int64_t m, T *y) {
     constexpr bool pairs = sizeof(T) == 2;
     const int64_t n = w->n, k = w->k, count = (n + 15) / 16;
     /* bytes a row of a panel (16 values of one k) takes */
-    const int64_t stride = pairs ? 32 : w->codes ? w->bits * 2 : 64;
-    const int half = w->codes && w->bits == 4;
-    const char *panels = pairs ? (const char *)w->pairs : w->codes ? (const char *)w->codes : (const char *)w->panels;
+    const int64_t stride = coded ? w->bits * 2 : pairs ? 32 : 64;
+    const int half = coded && w->bits == 4;
+    const char *panels = coded ? (const char *)w->codes : pairs ? (const char *)w->pairs : (const char *)w->panels;
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
@@ -274,23 +333,21 @@ static void linear(const struct prefixgate_linear_weight *w, const T *x, int64_t
                 const char *next = panel + (k0 + depth) * stride;
                 const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
                 const T *xs = x + g * k + k0;
-                if (pairs || !w->codes) {
+                if (!coded) {
                     chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
                     continue;
                 }
-                if constexpr (!pairs) {
-                    const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
-                    const float *scales = w->scales + block, *offsets = w->offsets + block;
-                    const int8_t *codes = (const int8_t *)panel + k0 * stride;
-                    if (rows <= MOST_ROWS && half)
-                        coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
-                    else if (rows <= MOST_ROWS)
-                        coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
-                    else {
-                        if (half) decode(codes, 1, scales, offsets, depth, decoded);
-                        else decode(codes, 0, scales, offsets, depth, decoded);
-                        chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
-                    }
+                const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
+                const float *scales = w->scales + block, *offsets = w->offsets + block;
+                const int8_t *codes = (const int8_t *)panel + k0 * stride;
+                if (rows <= MOST_ROWS && half)
+                    coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
+                else if (rows <= MOST_ROWS)
+                    coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
+                else if constexpr (!pairs) { /* bfloat16 rows are at most PAIR_ROWS */
+                    if (half) decode(codes, 1, scales, offsets, depth, decoded);
+                    else decode(codes, 0, scales, offsets, depth, decoded);
+                    chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
                 }
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
@@ -320,14 +377,16 @@ static void linear(const struct prefixgate_linear_weight *w, const T *x, int64_t
 static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
     const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight);
-    const auto dtype = w->pairs ? at::kBFloat16 : at::kFloat;
+    const auto dtype = w->bfloat16 ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
-                w->pairs ? "bfloat16" : "float32", " rows on a CPU for this weight");
+                w->bfloat16 ? "bfloat16" : "float32", " rows on a CPU for this weight");
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w->k, "linear_panels takes rows of ", w->k, " values, not ", x.sizes());
     TORCH_CHECK(out_features == w->n, "linear_panels: the weight has ", w->n, " outputs, not ", out_features);
     const int64_t m = x.numel() / w->k;
     if (plain && m > GROUP) return at::linear(x, *plain, bias);
-    if (w->pairs && m > PAIR_ROWS) {
+    /* bfloat16 rows: code panels for up to CODED_PAIR_ROWS, pair panels for up to PAIR_ROWS, oneDNN's past them */
+    const int coded = w->codes && (!w->bfloat16 || m <= CODED_PAIR_ROWS);
+    if (w->bfloat16 && !coded && (!w->pairs || m > PAIR_ROWS)) {
         static const auto onednn =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -342,12 +401,12 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     shape.back() = w->n;
     at::Tensor y = at::empty(shape, rows.options());
     if (m == 0) return y;
-    if (!w->pairs) {
-        linear(w, rows.const_data_ptr<float>(), m, y.mutable_data_ptr<float>());
+    if (!w->bfloat16) {
+        linear(w, coded, rows.const_data_ptr<float>(), m, y.mutable_data_ptr<float>());
         return y;
     }
 #if defined(__AVX512BF16__)
-    linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+    linear(w, coded, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
 #else
     TORCH_CHECK(false, "linear_panels: this build has no bfloat16 products (it needs AVX-512 BF16)");
 #endif

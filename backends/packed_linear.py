@@ -33,7 +33,12 @@ kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded on
 few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon: 11.6 ms for one row against 17.4 in an idle
 hour, 17.9 against 27.4 in a busy one) and win past 8 rows, so the operator gives it up to 8 rows and calls oneDNN's
 product on its layout, from C++, for more. The copy doubles the linear weights' memory (SmolLM2: 270 MB more), so it
-is made only where it takes at most an eighth of the memory free at load.
+is made only where it takes at most an eighth of the memory free at load. A bfloat16 layer rounded from a float32 weight
+that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them; `_float32_sources`) is also
+laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and rounds them to bfloat16 as
+torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes (SmolLM2: 115 MB against 270).
+That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels for 6 to 8
+(rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
 
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
@@ -52,6 +57,7 @@ import subprocess
 import weakref
 from pathlib import Path
 
+import safetensors
 import torch
 
 from prefixgate.backends import cpu_attention
@@ -78,7 +84,9 @@ class PackedLinear(torch.nn.Module):
         pairs: bool = True,
     ) -> None:
         """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows (`found`: its `block_codes`,
-        where the caller has them already); a bfloat16 one for oneDNN, and where `pairs` allows for the kernel too."""
+        where the caller has them already); a bfloat16 one for oneDNN, and where `pairs` allows for the kernel too: as
+        pair panels, and also the codes `found` where they rebuild it (they are those of the float32 weight it was
+        rounded from, see `prepack_linear_weights`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -97,9 +105,15 @@ class PackedLinear(torch.nn.Module):
                 self.number = next(_NUMBERS)
                 _LAYERS[self.number] = self
                 if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
-                    # and the kernel's pair panels, for up to 8 rows; oneDNN's layout (by the address of its C++
-                    # object, which `packed` keeps) takes more
-                    self._describe(pairs=_pairs(weight), onednn=self.packed._cdata)
+                    # and the kernel's layouts: pair panels for up to 8 rows, and before them its codes in pair order
+                    # for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++ object,
+                    # which `packed` keeps) takes more
+                    coded: dict[str, torch.Tensor] = {}
+                    bits = 0
+                    if found is not None and torch.equal(_rebuilt(*found).to(torch.bfloat16), weight):
+                        coded["codes"], bits = _halves(_pairs(found[0]).flatten(-2))
+                        coded["scales"], coded["offsets"] = _panels(found[1]), _panels(found[2])
+                    self._describe(pairs=_pairs(weight), **coded, bits=bits, onednn=self.packed._cdata)
             else:
                 if found is None and codes:
                     found = block_codes(weight)
@@ -118,7 +132,9 @@ class PackedLinear(torch.nn.Module):
         if self.bias is not None:
             self.layout["bias"] = self.bias.detach().contiguous()
         pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-        self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
+        self.described = _Weight(
+            n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, bfloat16=onednn is not None, **pointers
+        )
         self.address = ctypes.addressof(self.described)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +161,7 @@ class _Weight(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("pairs", ctypes.c_void_p),
         ("onednn", ctypes.c_void_p),
+        ("bfloat16", ctypes.c_int64),
     ]
 
 
@@ -227,18 +244,27 @@ def _rebuild(
     return q, d, low, exact
 
 
+def _rebuilt(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [n, k] that `block_codes` found codes, scales and offsets of."""
+    rows, k = codes.shape
+    blocks = torch.addcmul(offsets.reshape(-1, 1), scales.reshape(-1, 1), codes.reshape(-1, _BLOCK).float())
+    return blocks.reshape(rows, k)
+
+
 def _halves(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Code panels [n / 16][k][16] as the kernel reads them, and their bits: two to a byte where every code is 0 to 15
-    (Q4_1's; [n / 16][k][8], column j in the low half of byte j and column j + 8 in the high half), else int8."""
+    """Code panels as the kernel reads them, and their bits: two to a byte where every code is 0 to 15 (Q4_1's), code
+    j of each panel row in the low half of byte j and code j + w / 2 in its high half (w codes a row: 16 in a float32
+    panel [n / 16][k][16], 32 in a bfloat16 one [n / 16][k / 2][32]), else int8."""
     if int(codes.min()) < 0 or int(codes.max()) > 15:
         return codes, 8
-    low, high = codes[..., :8].to(torch.uint8), codes[..., 8:].to(torch.uint8)
+    width = codes.shape[-1] // 2
+    low, high = codes[..., :width].to(torch.uint8), codes[..., width:].to(torch.uint8)
     return (low | high << 4).contiguous(), 4
 
 
 def _pairs(weight: torch.Tensor) -> torch.Tensor:
-    """Lay out a bfloat16 weight [n, k] (k even) as the kernel's pair panels [n / 16][k / 2][16][2] (zeros past n):
-    for each two values of k, the 16 columns' two weights side by side."""
+    """Lay out a bfloat16 weight [n, k] (k even), or its codes, as the kernel's pair panels [n / 16][k / 2][16][2]
+    (zeros past n): for each two values of k, the 16 columns' two weights side by side."""
     rows, columns = weight.shape
     padded = weight.new_zeros(((rows + 15) // 16 * 16, columns))
     padded[:rows] = weight
@@ -261,45 +287,60 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """
     if not applies(model):
         return 0
-    pairs = _pairs_fit(model)
+    sources = _float32_sources(model)
+    pairs = _pairs_fit(model, sources)
     packed: dict[int, PackedLinear | None] = {}  # a layer used in several places is packed once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Plain layers only, not subclasses: quantized layers keep their own.
             if type(child) is torch.nn.Linear and id(child) not in packed:
-                packed[id(child)] = _pack(child, pairs)
+                original = _read(sources.get(id(child.weight))) if pairs else None
+                packed[id(child)] = _pack(child, pairs, original)
             if packed.get(id(child)) is not None:
                 setattr(parent, name, packed[id(child)])
     kept = [layer for layer in packed.values() if layer is not None]
+    _log_layouts(kept)
+    return len(kept)
+
+
+def _log_layouts(kept: list[PackedLinear]) -> None:
+    """Say in the log how the kernel holds the packed layers: codes, pair panels, and the memory they take."""
+    paired = [layer for layer in kept if "pairs" in layer.layout]
+    if paired:
+        _log.info(
+            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes decode "
+            "steps of up to 8 rows (%.0f MB more)",
+            len(paired),
+            len(kept),
+            sum(layer.layout["pairs"].nbytes for layer in paired) / 1e6,
+        )
     codes = [layer for layer in kept if "codes" in layer.layout]
-    if codes:
-        held = sum(part.nbytes for layer in codes for part in layer.layout.values())
-        floats = sum(layer.in_features * layer.out_features * 4 for layer in codes)
+    held = sum(layer.layout[part].nbytes for layer in codes for part in ("codes", "scales", "offsets"))
+    if codes and paired:
+        _log.info(
+            "%d of %d bfloat16 linear layers also read the GGUF codes their float32 weights are, rebuilding the "
+            "bfloat16 weights to the bit, for decode steps of up to 5 rows (%.0f MB more)",
+            len(codes),
+            len(kept),
+            held / 1e6,
+        )
+    elif codes:
         _log.info(
             "%d of %d linear layers are held as codes, their float32 weights being exactly GGUF blocks "
             "(%.0f MB instead of %.0f)",
             len(codes),
             len(kept),
             held / 1e6,
-            floats / 1e6,
+            sum(layer.in_features * layer.out_features * 4 for layer in codes) / 1e6,
         )
-    paired = [layer for layer in kept if "pairs" in layer.layout]
-    if paired:
-        held = sum(layer.layout["pairs"].nbytes for layer in paired)
-        _log.info(
-            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes decode "
-            "steps of up to 8 rows (%.0f MB more)",
-            len(paired),
-            len(kept),
-            held / 1e6,
-        )
-    return len(kept)
 
 
-def _pairs_fit(model: torch.nn.Module) -> bool:
+def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> bool:
     """Say whether a bfloat16 model's linear weights may be laid out for the kernel beside oneDNN's layout: where the
-    kernel takes bfloat16 and a second copy of them takes at most an eighth of the memory free now (SmolLM2's: 270 MB;
-    a model of 8 billion parameters would double its 16 GB)."""
+    kernel takes bfloat16 and the layouts take at most an eighth of the memory free now: pair panels, a second copy of
+    the weights (SmolLM2's: 270 MB; a model of 8 billion parameters would double its 16 GB), and for a weight with a
+    float32 original in `sources` its codes at most (int8, and a float32 scale and offset for each 32: 1.25 bytes a
+    weight; SmolLM2's are 115 MB)."""
     weights = {  # those laid out so (an even width), each once however many layers share it
         id(m.weight): m.weight
         for m in model.modules()
@@ -308,11 +349,12 @@ def _pairs_fit(model: torch.nn.Module) -> bool:
     if not weights or not bfloat16_products():
         return False
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # what `_pairs` makes of each: its rows padded to 16
-    needed = sum((w.shape[0] + 15) // 16 * 16 * w.shape[1] * w.element_size() for w in weights.values())
+    # what `_pairs` makes of each, its rows padded to 16, and its codes where they may be found
+    padded = {key: (w.shape[0] + 15) // 16 * 16 * w.shape[1] for key, w in weights.items()}
+    needed = sum(values * (2 + (1.25 if key in sources else 0)) for key, values in padded.items())
     if needed > free // 8:
         _log.info(
-            "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it would take %.0f MB, more "
+            "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it could take %.0f MB, more "
             "than an eighth of the %.0f MB free",
             needed / 1e6,
             free / 1e6,
@@ -321,15 +363,49 @@ def _pairs_fit(model: torch.nn.Module) -> bool:
     return True
 
 
-def _pack(linear: torch.nn.Linear, pairs: bool = True) -> PackedLinear | None:
+def _pack(linear: torch.nn.Linear, pairs: bool = True, original: torch.Tensor | None = None) -> PackedLinear | None:
     """Return `linear` packed, or None where it stays torch's: where MKL serves prompts, a float32 layer is packed for
     decoding only as its codes (float panels beside the plain weight would double its memory for a gain at 8 to 16 rows
-    alone), so its codes are looked for first and no panels are made for a layer that has none."""
+    alone), so its codes are looked for first and no panels are made for a layer that has none. A bfloat16 layer is
+    offered the codes of `original`, the float32 weight it was rounded from."""
     weight = linear.weight.detach()
     if weight.dtype == torch.float32 and mkl_past_64() and _kernel():
         found = block_codes(weight)
         return None if found is None else PackedLinear(linear, found=found)
-    return PackedLinear(linear, pairs=pairs)
+    found = None
+    if original is not None and original.shape == weight.shape and weight.dtype == torch.bfloat16:
+        found = block_codes(original)
+    return PackedLinear(linear, pairs=pairs, found=found)
+
+
+def _float32_sources(model: torch.nn.Module) -> dict[int, tuple[Path, str]]:
+    """Return where the float32 weights a model's parameters were loaded from lie, by `id` of parameter: the file and
+    name of each in its folder's safetensors files (`name_or_path`, where transformers loaded it from a folder) that is
+    float32. A GGUF model converted once (see model_resolver.py) has its weights there as float32, GGUF's blocks to the
+    bit, which a bfloat16 model's layers read as codes."""
+    source = str(getattr(model, "name_or_path", "") or "")
+    if not source or not Path(source).is_dir():  # a model made from a config has none
+        return {}
+    files: dict[str, Path] = {}
+    for file in sorted(Path(source).glob("*.safetensors")):
+        with safetensors.safe_open(str(file), "pt") as opened:
+            keys = opened.keys()  # a list: the opened file is no mapping
+            files.update((key, file) for key in keys if opened.get_slice(key).get_dtype() == "F32")
+    # every name of a parameter is looked for (a weight tied to another has both)
+    return {
+        id(parameter): (files[name], name)
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if name in files
+    }
+
+
+def _read(source: tuple[Path, str] | None) -> torch.Tensor | None:
+    """Return the tensor at `source` (a file and a name in it, see `_float32_sources`), or None where there is none."""
+    if source is None:
+        return None
+    with safetensors.safe_open(str(source[0]), "pt") as opened:
+        tensor: torch.Tensor = opened.get_tensor(source[1])
+    return tensor
 
 
 def prepare(model: torch.nn.Module) -> None:

@@ -11,9 +11,10 @@ taking turns, and what reading the float weights once takes (a sum over a tensor
 not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
 
 Where the kernel takes bfloat16 (AVX-512 BF16), a second table: the same layers in bfloat16 as a server packs them (the
-kernel's pair panels for up to 8 rows, oneDNN's layout past them, called from C++) against oneDNN's layout alone
-through the Python operator (`prefixgate::packed_linear`, as layers where the kernel does not take bfloat16 run), and
-what reading the bfloat16 weights once takes.
+kernel's code panels, read from the float32 weights in the model's folder, for up to 5 rows, its pair panels for up to
+8, oneDNN's layout past them, called from C++), as it packs a bfloat16 layer that is not codes (pair panels for up to 8
+rows, oneDNN's past them), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as
+layers where the kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import torch
 from batching_bench import table
 
 from prefixgate.backends import HFBackend, packed_linear
-from prefixgate.backends.packed_linear import PackedLinear
+from prefixgate.backends.packed_linear import PackedLinear, block_codes
 
 ROWS = [1, 8, 16, 64, 512]
+BFLOAT16_ROWS = [1, 4, 6, 8, 16, 64, 512]
 ROUNDS = 5
 
 
@@ -87,26 +89,44 @@ def main() -> None:
 
 
 def bfloat16() -> None:
-    """Print the bfloat16 table: the kernel's pair panels (oneDNN past 8 rows) against oneDNN's layout alone."""
+    """Print the bfloat16 table: the layers as served (the kernel's code panels up to 5 rows, its pair panels up to 8,
+    oneDNN's layout past them), with pair panels alone (up to 8 rows, oneDNN's past them), and oneDNN's layout alone."""
     backend = HFBackend.load("smollm2-135m", dtype="bfloat16", prepack_weights=False, compile_steps=False)
-    plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
-    served = [PackedLinear(linear) for linear in plain]
+    model = backend._runner.model
+    plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    sources = packed_linear._float32_sources(model)  # the float32 weights in the model's folder, GGUF's blocks
+    codes = []
+    for linear in plain:
+        original = packed_linear._read(sources.get(id(linear.weight)))
+        codes.append(PackedLinear(linear, found=None if original is None else block_codes(original)))
+    pairs = [PackedLinear(linear) for linear in plain]
     onednn = [PackedLinear(linear, pairs=False) for linear in plain]
     weights = torch.ones(sum(linear.weight.numel() for linear in plain) // 2)  # the bfloat16 weights' bytes
-    print(f"\nThe same {len(plain)} layers in bfloat16, {weights.nbytes / 1e6:.0f} MB; the median of {ROUNDS} rounds\n")
+    held = sum(part.nbytes for layer in codes for part in layer.layout.values())
+    print(
+        f"\nThe same {len(plain)} layers in bfloat16, {weights.nbytes / 1e6:.0f} MB; "
+        f"{sum('codes' in layer.layout for layer in codes)} also as codes for the kernel, {held / 1e6:.0f} MB with its "
+        "pair panels; "
+        f"the median of {ROUNDS} rounds\n"
+    )
     rows = []
     with torch.inference_mode():
         (reading,) = median_ms([weights.sum])
-        for count in ROWS:
+        for count in BFLOAT16_ROWS:
             inputs = {n: torch.randn(count, n, dtype=torch.bfloat16) for n in {linear.in_features for linear in plain}}
 
             def run(layers: list[PackedLinear], inputs: dict[int, torch.Tensor] = inputs) -> None:
                 for layer in layers:
                     layer(inputs[layer.in_features])
 
-            times = median_ms([lambda: run(served), lambda: run(onednn)])
+            times = median_ms([lambda: run(codes), lambda: run(pairs), lambda: run(onednn)])
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
-    columns = ["rows", "C++ kernel (oneDNN past 8 rows)", "oneDNN's layout (Python operator)"]
+    columns = [
+        "rows",
+        "as served: codes to 5 rows, pairs to 8, oneDNN past",
+        "pairs alone: to 8 rows, oneDNN past",
+        "oneDNN's layout (Python operator)",
+    ]
     table([*columns, "reading the weights"], rows)
     backend.close()
 

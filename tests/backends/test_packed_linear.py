@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from transformers import PreTrainedModel
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, SamplingParams, cpu_attention, packed_linear
 from prefixgate.backends.packed_linear import PackedLinear, applies, block_codes, packs, prepack_linear_weights
 from tests.backends.conftest import BackendFactory
 from tests.backends.streams import collect
 from tests.backends.test_kv_reuse import make_prompt
-from tests.backends.tiny_models import as_blocks
+from tests.backends.tiny_models import as_blocks, make_llama
 
 PACKED = [dtype for dtype in (torch.bfloat16, torch.float32) if packs(dtype)]  # what this CPU packs
 # A packed product is at most a unit in the last place from the plain one where the kernels sum in another order.
@@ -235,6 +236,82 @@ def test_a_bfloat16_layer_gives_up_to_8_rows_the_kernels_sums_and_more_onednns_p
             assert not torch.equal(onednn, in_pairs_order(x, linear.weight, linear.bias))
         with pytest.raises(RuntimeError, match="takes bfloat16 rows"):
             layer(x.float())
+
+
+@needs_bfloat16_kernel
+@pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
+def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_the_pair_panels_bits(
+    qtype: GGMLQuantizationType,
+) -> None:
+    # 37 output features: the last panel is partial; a long sum, which oneDNN orders otherwise than the pair panels
+    original = gguf_weight((37, 1536), qtype)
+    linear = torch.nn.Linear(1536, 37).to(torch.bfloat16)
+    linear.weight.data = original.bfloat16()
+    coded, paired = PackedLinear(linear, found=block_codes(original)), PackedLinear(linear)
+    assert {"codes", "pairs"} <= coded.layout.keys() and "codes" not in paired.layout
+    assert coded.layout["codes"].nbytes < paired.layout["pairs"].nbytes
+    x = torch.randn(40, 1536, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for rows in range(1, 9):  # rebuilt pairs of weights to 5 rows, pair panels to 8: the same sums, to the bit
+            assert torch.equal(coded(x[:rows]), paired(x[:rows]))
+            assert torch.equal(coded(x[:rows]), in_pairs_order(x[:rows], linear.weight, linear.bias))
+        for rows in (9, 40):  # oneDNN's product on its layout
+            assert torch.equal(coded(x[:rows]), torch.ops.prefixgate.packed_linear(x[:rows], coded.number))
+        with profile(activities=[ProfilerActivity.CPU]) as ran:
+            for rows in (1, 5, 6, 8, 9, 40):
+                coded(x[:rows])
+    calls = {event.key: event.count for event in ran.key_averages()}
+    assert calls["prefixgate::linear_panels"] == 6 and calls["mkldnn::_linear_pointwise"] == 2
+
+
+@needs_bfloat16_kernel
+def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_to_8() -> None:
+    original = gguf_weight((37, 160), GGMLQuantizationType.Q8_0)
+    linear = torch.nn.Linear(160, 37).to(torch.bfloat16)
+    linear.weight.data = original.bfloat16()
+    layer = PackedLinear(linear, found=block_codes(original))
+    x = torch.randn(8, 160, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = [layer(x[:rows]) for rows in range(1, 9)]
+        layer.layout["codes"].zero_()  # each layout now gives its own answer: the codes' all the bias
+        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in range(1, 6))
+        layer.layout["pairs"].zero_()
+        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in range(6, 9))
+    assert not any(torch.equal(rows, linear.bias.expand(len(rows), -1)) for rows in before)
+
+
+@needs_bfloat16_kernel
+def test_a_bfloat16_layer_whose_codes_do_not_rebuild_it_keeps_the_pair_panels() -> None:
+    original = gguf_weight((37, 160), GGMLQuantizationType.Q8_0)
+    linear = torch.nn.Linear(160, 37).to(torch.bfloat16)
+    linear.weight.data = original.bfloat16()
+    linear.weight.data[5, 9] += 1  # no longer the rounding of the weight the codes rebuild
+    layer = PackedLinear(linear, found=block_codes(original))
+    assert "pairs" in layer.layout and "codes" not in layer.layout  # pair panels alone
+    x = torch.randn(3, 160, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), in_pairs_order(x, linear.weight, linear.bias))
+
+
+@needs_bfloat16_kernel
+def test_a_bfloat16_model_loaded_from_gguf_blocks_reads_its_folders_float32_weights_as_codes(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved = as_blocks(make_llama(tokenizer, tie_word_embeddings=True), torch.float32)  # as a converted GGUF model
+    saved.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    paired = copy.deepcopy(loaded)
+    paired.name_or_path = ""  # the same bfloat16 weights with no folder: pair panels
+    with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+        assert prepack_linear_weights(loaded) == prepack_linear_weights(paired) > 0
+    layers = [m for m in loaded.modules() if isinstance(m, PackedLinear)]
+    assert all("codes" in layer.layout for layer in layers)  # the output projection too, tied to the embeddings
+    assert not any("codes" in m.layout for m in paired.modules() if isinstance(m, PackedLinear))
+    assert f"{len(layers)} of {len(layers)} bfloat16 linear layers also read the GGUF codes" in caplog.text
+    with torch.inference_mode():
+        for tokens in (3, 40):  # on the codes, and on oneDNN's layout: the same bits
+            ids = torch.tensor([make_prompt(tokens)])
+            assert torch.equal(loaded(ids).logits, paired(ids).logits)
 
 
 @needs_bfloat16_kernel

@@ -64,6 +64,7 @@ from prefixgate.backends import cpu_attention
 
 _log = logging.getLogger(__name__)
 
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a weight's codes, scales and offsets (see `block_codes`)
 _ROWS_HINT = 8  # the row count oneDNN lays a weight out for; every other count of rows runs on that layout too
 # Every live layer packed for oneDNN by its number: the `prefixgate::packed_linear` operator takes the number, as a
 # compiled step cannot take oneDNN's opaque weight as an argument.
@@ -80,7 +81,7 @@ class PackedLinear(torch.nn.Module):
         linear: torch.nn.Linear,
         *,
         codes: bool = True,
-        found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        found: Codes | None = None,
         pairs: bool = True,
     ) -> None:
         """Pack `linear`'s weight; as codes where it is exactly codes and `codes` allows (`found`: its `block_codes`,
@@ -193,7 +194,7 @@ _FORMS = ((15, True), (31, True), (127, False), (8, False), (16, False))
 _SLICE = 2**19  # blocks `block_codes` works on at a time: 64 MiB of float32 values
 
 
-def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def block_codes(weight: torch.Tensor) -> Codes | None:
     """Return int8 codes `q` [n, k] and float32 scales `d` and offsets `o` [n, k / 32] with `d * q + o == weight` to
     the bit for a float32 weight [n, k] whose every block of 32 values along k is one of GGUF's block formats (a GGUF
     model's Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights, dequantized to float32 as transformers loads them); None where a
@@ -294,7 +295,7 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
         for name, child in list(parent.named_children()):
             # Plain layers only, not subclasses: quantized layers keep their own.
             if type(child) is torch.nn.Linear and id(child) not in packed:
-                original = _read(sources.get(id(child.weight))) if pairs else None
+                original = _original_codes(sources.get(id(child.weight))) if pairs else None
                 packed[id(child)] = _pack(child, pairs, original)
             if packed.get(id(child)) is not None:
                 setattr(parent, name, packed[id(child)])
@@ -363,34 +364,34 @@ def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> 
     return True
 
 
-def _pack(linear: torch.nn.Linear, pairs: bool = True, original: torch.Tensor | None = None) -> PackedLinear | None:
+def _pack(linear: torch.nn.Linear, pairs: bool = True, original: Codes | None = None) -> PackedLinear | None:
     """Return `linear` packed, or None where it stays torch's: where MKL serves prompts, a float32 layer is packed for
     decoding only as its codes (float panels beside the plain weight would double its memory for a gain at 8 to 16 rows
     alone), so its codes are looked for first and no panels are made for a layer that has none. A bfloat16 layer is
-    offered the codes of `original`, the float32 weight it was rounded from."""
+    offered `original`, the codes of the float32 weight it was rounded from."""
     weight = linear.weight.detach()
     if weight.dtype == torch.float32 and mkl_past_64() and _kernel():
         found = block_codes(weight)
         return None if found is None else PackedLinear(linear, found=found)
-    found = None
-    if original is not None and original.shape == weight.shape and weight.dtype == torch.bfloat16:
-        found = block_codes(original)
-    return PackedLinear(linear, pairs=pairs, found=found)
+    return PackedLinear(linear, pairs=pairs, found=original if weight.dtype == torch.bfloat16 else None)
 
 
 def _float32_sources(model: torch.nn.Module) -> dict[int, tuple[Path, str]]:
     """Return where the float32 weights a model's parameters were loaded from lie, by `id` of parameter: the file and
     name of each in its folder's safetensors files (`name_or_path`, where transformers loaded it from a folder) that is
     float32. A GGUF model converted once (see model_resolver.py) has its weights there as float32, GGUF's blocks to the
-    bit, which a bfloat16 model's layers read as codes."""
+    bit, which a bfloat16 model's layers read as codes. A file that cannot be read leaves its weights out (logged)."""
     source = str(getattr(model, "name_or_path", "") or "")
     if not source or not Path(source).is_dir():  # a model made from a config has none
         return {}
     files: dict[str, Path] = {}
     for file in sorted(Path(source).glob("*.safetensors")):
-        with safetensors.safe_open(str(file), "pt") as opened:
-            keys = opened.keys()  # a list: the opened file is no mapping
-            files.update((key, file) for key in keys if opened.get_slice(key).get_dtype() == "F32")
+        try:
+            with safetensors.safe_open(str(file), "pt") as opened:
+                keys = opened.keys()  # a list: the opened file is no mapping
+                files.update((key, file) for key in keys if opened.get_slice(key).get_dtype() == "F32")
+        except (OSError, safetensors.SafetensorError) as error:
+            _log.info("the float32 weights of %s are not read as codes: %s", file, error)
     # every name of a parameter is looked for (a weight tied to another has both)
     return {
         id(parameter): (files[name], name)
@@ -399,13 +400,18 @@ def _float32_sources(model: torch.nn.Module) -> dict[int, tuple[Path, str]]:
     }
 
 
-def _read(source: tuple[Path, str] | None) -> torch.Tensor | None:
-    """Return the tensor at `source` (a file and a name in it, see `_float32_sources`), or None where there is none."""
+def _original_codes(source: tuple[Path, str] | None) -> Codes | None:
+    """Return the `block_codes` of the float32 weight at `source` (a file and a name in it, see `_float32_sources`), or
+    None where there is none or it is no codes. Its first rows are tried first, so that a weight that is not codes (a
+    model's own float32 weights) is not read whole."""
     if source is None:
         return None
     with safetensors.safe_open(str(source[0]), "pt") as opened:
-        tensor: torch.Tensor = opened.get_tensor(source[1])
-    return tensor
+        part = opened.get_slice(source[1])
+        shape = part.get_shape()
+        if len(shape) != 2 or block_codes(part[: -(-256 * _BLOCK // max(shape[1], 1))]) is None:
+            return None
+        return block_codes(opened.get_tensor(source[1]))
 
 
 def prepare(model: torch.nn.Module) -> None:

@@ -27,7 +27,7 @@ import torch
 from batching_bench import table
 
 from prefixgate.backends import HFBackend, packed_linear
-from prefixgate.backends.packed_linear import PackedLinear, block_codes
+from prefixgate.backends.packed_linear import PackedLinear
 
 ROWS = [1, 8, 16, 64, 512]
 BFLOAT16_ROWS = [1, 4, 6, 8, 16, 64, 512]
@@ -95,10 +95,9 @@ def bfloat16() -> None:
     model = backend._runner.model
     plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
     sources = packed_linear._float32_sources(model)  # the float32 weights in the model's folder, GGUF's blocks
-    codes = []
-    for linear in plain:
-        original = packed_linear._read(sources.get(id(linear.weight)))
-        codes.append(PackedLinear(linear, found=None if original is None else block_codes(original)))
+    codes = [
+        PackedLinear(linear, found=packed_linear._original_codes(sources.get(id(linear.weight)))) for linear in plain
+    ]
     pairs = [PackedLinear(linear) for linear in plain]
     onednn = [PackedLinear(linear, pairs=False) for linear in plain]
     weights = torch.ones(sum(linear.weight.numel() for linear in plain) // 2)  # the bfloat16 weights' bytes

@@ -299,6 +299,7 @@ def test_a_bfloat16_model_loaded_from_gguf_blocks_reads_its_folders_float32_weig
 ) -> None:
     saved = as_blocks(make_llama(tokenizer, tie_word_embeddings=True), torch.float32)  # as a converted GGUF model
     saved.save_pretrained(tmp_path)
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")  # beside them, unreadable: passed over
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     paired = copy.deepcopy(loaded)
     paired.name_or_path = ""  # the same bfloat16 weights with no folder: pair panels
@@ -308,10 +309,29 @@ def test_a_bfloat16_model_loaded_from_gguf_blocks_reads_its_folders_float32_weig
     assert all("codes" in layer.layout for layer in layers)  # the output projection too, tied to the embeddings
     assert not any("codes" in m.layout for m in paired.modules() if isinstance(m, PackedLinear))
     assert f"{len(layers)} of {len(layers)} bfloat16 linear layers also read the GGUF codes" in caplog.text
+    assert "broken.safetensors are not read as codes" in caplog.text
     with torch.inference_mode():
         for tokens in (3, 40):  # on the codes, and on oneDNN's layout: the same bits
             ids = torch.tensor([make_prompt(tokens)])
             assert torch.equal(loaded(ids).logits, paired(ids).logits)
+
+
+@needs_bfloat16_kernel
+def test_a_bfloat16_model_whose_float32_weights_are_no_codes_reads_only_their_first_rows_and_keeps_pair_panels(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a model's own float32 weights, each more than the 256 blocks of 32 values the first rows hold
+    make_llama(tokenizer, hidden_size=256, intermediate_size=512, num_key_value_heads=4).save_pretrained(tmp_path)
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")  # beside them, unreadable
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    looked_at: list[tuple[int, ...]] = []
+    real = packed_linear.block_codes
+    monkeypatch.setattr(packed_linear, "block_codes", lambda weight: looked_at.append(weight.shape) or real(weight))
+    full = {tuple(m.weight.shape) for m in loaded.modules() if type(m) is torch.nn.Linear}
+    assert prepack_linear_weights(loaded) > 0
+    layers = [m for m in loaded.modules() if isinstance(m, PackedLinear)]
+    assert all("pairs" in layer.layout and "codes" not in layer.layout for layer in layers)
+    assert looked_at and not full & set(looked_at)  # each weight's first rows, never a whole one
 
 
 @needs_bfloat16_kernel

@@ -297,7 +297,8 @@ static inline __attribute__((always_inline)) void coded_chunk(const T *x, int64_
    [n / 16][k / BLOCK][16] (k a multiple of BLOCK); or, `bfloat16`, pair panels [n / 16][k / 2][16][2] (k even), and
    where the weight was rounded from codes, bfloat16 code panels [n / 16][k / 2][32] (or [n / 16][k / 2][16] bytes) with
    their scales and offsets as above. The pointers not used, and a missing bias, are NULL. `onednn`: for bfloat16, the
-   same weight laid out for oneDNN (its tensor, which the layer keeps), which takes more than PAIR_ROWS rows. */
+   same weight laid out for oneDNN (its tensor, which the layer keeps), which takes more than PAIR_ROWS rows; a weight
+   has it exactly where it takes bfloat16 rows. */
 struct prefixgate_linear_weight {
     int64_t n, k;
     const float *panels;
@@ -307,7 +308,6 @@ struct prefixgate_linear_weight {
     const void *bias;
     const uint16_t *pairs;
     c10::TensorImpl *onednn;
-    int64_t bfloat16; /* rows of bfloat16, on pair panels or on bfloat16 code panels */
 };
 
 /* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t), from the
@@ -377,16 +377,17 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
 static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
     const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight);
-    const auto dtype = w->bfloat16 ? at::kBFloat16 : at::kFloat;
+    const bool bfloat16 = w->onednn != nullptr;
+    const auto dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
-                w->bfloat16 ? "bfloat16" : "float32", " rows on a CPU for this weight");
+                bfloat16 ? "bfloat16" : "float32", " rows on a CPU for this weight");
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w->k, "linear_panels takes rows of ", w->k, " values, not ", x.sizes());
     TORCH_CHECK(out_features == w->n, "linear_panels: the weight has ", w->n, " outputs, not ", out_features);
     const int64_t m = x.numel() / w->k;
     if (plain && m > GROUP) return at::linear(x, *plain, bias);
     /* bfloat16 rows: code panels for up to CODED_PAIR_ROWS, pair panels for up to PAIR_ROWS, oneDNN's past them */
-    const int coded = w->codes && (!w->bfloat16 || m <= CODED_PAIR_ROWS);
-    if (w->bfloat16 && !coded && (!w->pairs || m > PAIR_ROWS)) {
+    const int coded = w->codes && (!bfloat16 || m <= CODED_PAIR_ROWS);
+    if (bfloat16 && !coded && m > PAIR_ROWS) {
         static const auto onednn =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -401,7 +402,7 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     shape.back() = w->n;
     at::Tensor y = at::empty(shape, rows.options());
     if (m == 0) return y;
-    if (!w->bfloat16) {
+    if (!bfloat16) {
         linear(w, coded, rows.const_data_ptr<float>(), m, y.mutable_data_ptr<float>());
         return y;
     }

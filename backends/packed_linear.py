@@ -133,9 +133,7 @@ class PackedLinear(torch.nn.Module):
         if self.bias is not None:
             self.layout["bias"] = self.bias.detach().contiguous()
         pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-        self.described = _Weight(
-            n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, bfloat16=onednn is not None, **pointers
-        )
+        self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
         self.address = ctypes.addressof(self.described)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +160,6 @@ class _Weight(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("pairs", ctypes.c_void_p),
         ("onednn", ctypes.c_void_p),
-        ("bfloat16", ctypes.c_int64),
     ]
 
 
@@ -288,7 +285,8 @@ def prepack_linear_weights(model: torch.nn.Module) -> int:
     """
     if not applies(model):
         return 0
-    sources = _float32_sources(model)
+    bfloat16 = next(model.parameters()).dtype == torch.bfloat16 and bfloat16_products()
+    sources = _float32_sources(model) if bfloat16 else {}  # read only where bfloat16 layers could take codes
     pairs = _pairs_fit(model, sources)
     packed: dict[int, PackedLinear | None] = {}  # a layer used in several places is packed once
     for parent in list(model.modules()):
@@ -406,12 +404,16 @@ def _original_codes(source: tuple[Path, str] | None) -> Codes | None:
     model's own float32 weights) is not read whole."""
     if source is None:
         return None
-    with safetensors.safe_open(str(source[0]), "pt") as opened:
-        part = opened.get_slice(source[1])
-        shape = part.get_shape()
-        if len(shape) != 2 or block_codes(part[: -(-256 * _BLOCK // max(shape[1], 1))]) is None:
-            return None
-        return block_codes(opened.get_tensor(source[1]))
+    try:
+        with safetensors.safe_open(str(source[0]), "pt") as opened:
+            part = opened.get_slice(source[1])
+            shape = part.get_shape()
+            if len(shape) != 2 or block_codes(part[: -(-256 * _BLOCK // max(shape[1], 1))]) is None:
+                return None
+            return block_codes(opened.get_tensor(source[1]))
+    except (OSError, safetensors.SafetensorError) as error:  # the file went or changed since it was listed
+        _log.info("the float32 weight %s of %s is not read as codes: %s", source[1], source[0], error)
+        return None
 
 
 def prepare(model: torch.nn.Module) -> None:

@@ -334,6 +334,14 @@ def test_a_bfloat16_model_whose_float32_weights_are_no_codes_reads_only_their_fi
     assert looked_at and not full & set(looked_at)  # each weight's first rows, never a whole one
 
 
+def test_a_float32_original_gone_since_it_was_listed_gives_no_codes_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+        assert packed_linear._original_codes((tmp_path / "gone.safetensors", "lm_head.weight")) is None
+    assert "the float32 weight lm_head.weight of" in caplog.text and "is not read as codes" in caplog.text
+
+
 @needs_bfloat16_kernel
 def test_bfloat16_layers_get_the_kernels_layout_only_where_it_takes_an_eighth_of_the_free_memory_at_most(
     llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

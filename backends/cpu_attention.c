@@ -52,10 +52,10 @@ typedef struct {
 static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h * x->groups + i / x->count; }
 
 /* The next chunk's keys and values on their way to the cache while this chunk is attended. `take_ahead` hands one
-   product its share, `step` lines (64 bytes) of each, to ask for into the nearest cache one a step as it runs: spread
-   so, they arrive while the products run, where asked for in bursts they held up the products' own loads. `fetch_rest`
-   asks for all that is left at once, into the second-level cache (the nearest would not hold them beside what the
-   block reads); most of those wait behind each other. */
+   product its share, `step` lines (64 bytes) of each, to ask for as it runs: spread so, they arrive while the products
+   run, where asked for in bursts they held up the products' own loads. The float32 products ask for theirs into the
+   nearest cache one line a step; bfloat16 asks for a share at a time (`fetch_some`) into the second-level cache, where
+   the chunk is packed from (the nearest would not hold them beside what the block reads). */
 typedef struct {
     const char *k, *v;
     int64_t at, bytes, step;  /* bytes asked for so far, of `bytes` of each; lines a product asks for */
@@ -70,12 +70,15 @@ static inline int64_t take_ahead(ahead_of *ahead, const char **k, const char **v
     return lines;
 }
 
-static inline void fetch_rest(ahead_of *ahead) {
-    for (; ahead->at < ahead->bytes; ahead->at += 64) {
-        _mm_prefetch(ahead->k + ahead->at, _MM_HINT_T1);
-        _mm_prefetch(ahead->v + ahead->at, _MM_HINT_T1);
+static inline void fetch_some(ahead_of *ahead) {
+    const char *k, *v;
+    const int64_t lines = take_ahead(ahead, &k, &v);
+    for (int64_t i = 0; i < lines; i++) {
+        _mm_prefetch(k + i * 64, _MM_HINT_T1);
+        _mm_prefetch(v + i * 64, _MM_HINT_T1);
     }
 }
+
 
 #if defined(__AVX512F__)  /* every build but float32's AVX2 one */
 static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate import __version__
+from prefixgate.backends import model_runner
 from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.app import SETTINGS
-from prefixgate.proxy.cli import _banner, _JSONFormatter, main
+from prefixgate.proxy.app import ENGINE, SETTINGS
+from prefixgate.proxy.cli import _banner, _freeze_heap, _JSONFormatter, main
 from prefixgate.proxy.settings import load_settings
-from tests.proxy.conftest import MODEL, Serve
+from tests.proxy.conftest import HANG_GUARD_SECONDS, MODEL, Serve, tiny_engine
 
 CONFIG = """
 store = "/var/lib/prefixgate"
@@ -189,3 +196,48 @@ def test_prices_come_as_four_numbers_or_a_table_and_are_checked() -> None:
         load_settings(prices={"m": "1,2"})
     with pytest.raises(ConfigError, match="prices"):
         load_settings(prices={"m": "1,2,3,-4"})
+
+
+class _Node:
+    """An object the garbage collector tracks."""
+
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def _collector_walks(node: _Node) -> bool:
+    return any(item is node for item in gc.get_objects())
+
+
+async def test_the_server_leaves_what_loading_and_compiling_made_out_of_full_collections(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled = threading.Event()  # the compile ends (refused) when the test says so
+
+    def held(function: Any, **options: Any) -> Any:
+        assert compiled.wait(HANG_GUARD_SECONDS), "the test never let the compile end"
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(model_runner.torch, "compile", held)
+    engine = tiny_engine(load_settings(store=tmp_path / "store", model=MODEL), tokenizer, llama, [], compile_steps=True)
+    app = web.Application()
+    app[ENGINE] = engine
+    try:
+        loaded, cycle = _Node(), _Node()
+        cycle.other = cycle  # garbage only the collector finds
+        gone = weakref.ref(cycle)
+        del cycle
+        await _freeze_heap(app)
+        assert gone() is None  # garbage was collected before the rest was frozen, not kept for good
+        assert not _collector_walks(loaded)
+        made_while_compiling = _Node()
+        assert _collector_walks(made_while_compiling)
+        compiled.set()
+        [freezing] = [thread for thread in threading.enumerate() if thread.name == "prefixgate-freeze"]
+        freezing.join(HANG_GUARD_SECONDS)
+        assert engine.backend.steps == "eager" and not freezing.is_alive()
+        assert not _collector_walks(made_while_compiling)
+    finally:
+        compiled.set()
+        gc.unfreeze()
+        await engine.close()

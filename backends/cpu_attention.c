@@ -79,7 +79,6 @@ static inline void fetch_some(ahead_of *ahead) {
     }
 }
 
-
 #if defined(__AVX512F__)  /* every build but float32's AVX2 one */
 static inline void transpose16(__m512i r[16]) {  /* 16 rows of 16 32-bit elements, in place */
     __m512i t[16];

@@ -38,6 +38,41 @@ class StepInput:
 _Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # input ids, positions, last -> logits
 
 
+# An operator that returns copies of its tensors, which a compiled graph cannot see into: what it returns is a buffer,
+# computed once. See `_rotate_by_stored_angles`.
+_OPS = torch.library.Library("prefixgate", "FRAGMENT")  # type: ignore[no-untyped-call]
+_OPS.define("stored(Tensor[] tensors) -> Tensor[]")  # type: ignore[no-untyped-call]
+_OPS.impl("stored", lambda tensors: [t.clone() for t in tensors], "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("prefixgate::stored")  # type: ignore[untyped-decorator]
+def _(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _rotate_by_stored_angles(model: PreTrainedModel) -> None:
+    """Have the model's rotary embeddings hand their cosines and sines through `prefixgate::stored`, once.
+
+    A compiled step otherwise computes them again in every layer, for every query and key head: inductor inlines the
+    cheap-looking pointwise work of `cos(position * frequency)` into each kernel that rotates, rather than storing it.
+    Measured on SmolLM2 in bfloat16, 2 cores, the two compiled in one process and run in turn (two runs): a step of 16
+    prompts of 27 tokens took 86.5 and 89.3 ms against 91.7 and 92.7, a 512-token prompt 110.7 and 111.5 against 114.8
+    and 115.3; decoding steps the same within noise (the operator costs about 40 µs a step).
+    """
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        forward = module.forward
+
+        def stored(*args: Any, forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            angles = forward(*args, **kwargs)  # (cos, sin) in every family that has one
+            if isinstance(angles, tuple) and angles and all(isinstance(t, torch.Tensor) for t in angles):
+                return tuple(torch.ops.prefixgate.stored(list(angles)))
+            return angles
+
+        module.forward = stored
+
+
 def _call_compiled(
     compiled: _Step, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor, *, compile_new: bool
 ) -> torch.Tensor:
@@ -135,6 +170,7 @@ class ModelRunner:
         }
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
+        _rotate_by_stored_angles(self.model)
         eager = types.FunctionType(ModelRunner._eager.__code__.replace(), ModelRunner._eager.__globals__)
         compiled = torch.compile(types.MethodType(eager, self), dynamic=False, options=options)
         for inputs in warm_ups:

@@ -1,12 +1,12 @@
-"""Measure the block store: key hashing, host-tier put/get and LMDB get, each beside its plain baseline, and the
-pieces a shared prefix lies in under churn.
+"""Measure the block store: key hashing, host-tier put/get and LMDB get, each beside its plain baseline, the
+pieces a shared prefix lies in under churn, and looking up a prefix that many prompts' tails follow.
 
 Run by hand: `.venv/bin/python benchmarks/store_bench.py`. Blocks have SmolLM2-135M's geometry in float32
 (30 layers, 3 KV heads, head_dim 64, 64 tokens a block: 2.8 MiB each). The churn measure runs a full host tier of 400
 small blocks: requests on 30 prefixes of 40 blocks (a few of them hot), each storing its prefix if it was evicted and
 2 blocks of its own; every tenth request, once the tier is warm, its prefix is lent (`TieredStore.borrow`, as a shared
 prefix is) and given back. It prints the pieces (runs of consecutive slots) the prefix lay in before the loan and when
-lent.
+lent. The last rows time a look up and a fetch of a prompt on a prefix that 10, 1,000 and 10,000 tails follow.
 """
 
 from __future__ import annotations
@@ -23,7 +23,16 @@ from pathlib import Path
 import torch
 
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
+from prefixgate.store import (
+    Block,
+    BlockLayout,
+    Namespace,
+    StoreConfig,
+    TierConfig,
+    TieredStore,
+    chain_keys,
+    tail_key,
+)
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier
 
@@ -183,6 +192,46 @@ def bench_churn(rows: list[tuple[str, str, str, str]]) -> None:
     )
 
 
+def bench_tails(rows: list[tuple[str, str, str, str]]) -> None:
+    """Look up and fetch a 64-block prefix that N tails follow (prompts on one system prompt that each stored the
+    partial block after it), against the same with 10 tails: the store reads a few of a block's children, not all."""
+    few: tuple[float, float] | None = None
+    for count in (10, 1000, 10000):
+        held, fetched = _prefix_with_tails(count)
+        few = few or (held, fetched)
+        rows.append(
+            (
+                f"look up, fetch: a prefix {count} tails follow",
+                f"{held * 1e3:.3f} ms, {fetched * 1e3:.3f} ms",
+                f"10 tails: {few[0] * 1e3:.3f} ms, {few[1] * 1e3:.3f} ms",
+                f"{held / few[0]:.2f}x, {fetched / few[1]:.2f}x",
+            )
+        )
+
+
+def _prefix_with_tails(count: int) -> tuple[float, float]:
+    """Return the median seconds of `held` and of `fetch` for a prompt on a prefix that `count` tails follow."""
+    layout = BlockLayout(shape=(2, 2, 1, 64, 8), dtype=torch.float32)
+    namespace = Namespace("tails-model", "tails-tokenizer", "float32", layout.shape)
+    size = layout.block_size
+    prefix = list(range(1000, 1000 + 64 * size))
+    config = StoreConfig(TierConfig(0), TierConfig((count + 100) * layout.nbytes), TierConfig(0))
+    store = TieredStore.open(None, layout, config)
+    keys = chain_keys(store.seed(namespace), prefix, size)
+    zeros = torch.zeros(layout.shape)
+    parents = [None, *keys[:-1]]
+    store.put([Block(key, tuple(prefix[i * size : (i + 1) * size]), zeros, parents[i]) for i, key in enumerate(keys)])
+    for i in range(count):
+        tokens = (50000 + i, 7)
+        store.put([Block(tail_key(keys[-1], tokens), tokens, zeros, keys[-1])])
+    prompt = [*prefix, 3, 4, 5]
+    out = torch.empty((*layout.shape[:3], len(prompt), layout.shape[4]))
+    held = best_of(50, lambda: store.held(namespace, prompt))
+    fetched = best_of(50, lambda: store.fetch(namespace, prompt, out))
+    store.close()
+    return held, fetched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=128, help="blocks per measurement (2.8 MiB each)")
@@ -193,6 +242,7 @@ def main() -> None:
     bench_host(rows, args.blocks)
     bench_lmdb(rows, args.blocks)
     bench_churn(rows)
+    bench_tails(rows)
     print(f"block: {LAYOUT.shape} {LAYOUT.dtype}, {LAYOUT.nbytes / 2**20:.2f} MiB; {args.blocks} blocks per run")
     header = ("measure", "prefixgate", "baseline", "ratio")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]

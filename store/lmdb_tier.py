@@ -91,7 +91,7 @@ class LMDBTier(Tier):
             max_readers=512,
         )
         self._lock = threading.RLock()
-        self._index: Held[BlockHeader] = Held()
+        self._index: Held[BlockHeader] = Held(lambda header: len(header.tokens) == layout.block_size)
         # Writes queued but not yet committed: a _Put is served from here, a _Delete hides what is on disk.
         self._pending: dict[BlockKey, _Put | _Delete] = {}
         # Blocks queued and not yet written hold their tensors (on a GPU, device memory): at most this many.
@@ -275,11 +275,13 @@ class LMDBTier(Tier):
         with self._lock:
             return list(self._index)
 
-    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
+    def children(
+        self, parent: BlockKey, *, newest: int | None = None, whole: bool = False
+    ) -> list[tuple[BlockKey, tuple[int, ...]]]:
         # Only blocks this process has registered: another process's block is adopted when a lookup first asks for
         # its key, so a child another process wrote is found after its own chain was looked up here once.
         with self._lock:
-            found = [(key, self._index.get(key)) for key in self._index.children(parent)]
+            found = [(key, self._index.get(key)) for key in self._index.children(parent, newest=newest, whole=whole)]
         return [(key, header.tokens) for key, header in found if header is not None]
 
     def entry(self, key: BlockKey) -> EntryInfo | None:

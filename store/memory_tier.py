@@ -83,7 +83,7 @@ class MemoryTier(Tier):
             self._unpin.atexit = False  # at exit the process's end releases the pages anyway
         self._free = list(range(slots))  # ascending
         self._next = 0  # where the next block without a free slot after its parent goes: the first free one from here
-        self._slots: Held[_Slot] = Held()
+        self._slots: Held[_Slot] = Held(lambda slot: len(slot.block.tokens) == self._block_size)
         self._holders: dict[int, BlockKey] = {}  # the block in each occupied slot
         self._readers: dict[int, _Readers] = {}  # borrowed slots by index
 
@@ -223,8 +223,10 @@ class MemoryTier(Tier):
     def keys(self) -> list[BlockKey]:
         return list(self._slots)
 
-    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
-        found = [(key, self._slots.get(key)) for key in self._slots.children(parent)]
+    def children(
+        self, parent: BlockKey, *, newest: int | None = None, whole: bool = False
+    ) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        found = [(key, self._slots.get(key)) for key in self._slots.children(parent, newest=newest, whole=whole)]
         return [(key, slot.block.tokens) for key, slot in found if slot is not None]
 
     def entry(self, key: BlockKey) -> EntryInfo | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -135,15 +136,19 @@ class Held(Generic[V]):
     """The blocks a tier holds, by key, and the held children of each block, kept in step with every change.
 
     The children index is what finds a block that continues a cached prefix without scanning the tier: each block
-    records its parent, so the blocks after a given one are the children held under it, newest last.
+    records its parent, so the blocks after a given one are the children held under it, newest last. The whole blocks
+    among them are indexed apart as well: many prompts on one prefix leave it thousands of tails (their partial last
+    blocks), and a look for its forks or its newest continuations reads a few of them, not all.
     """
 
-    __slots__ = ("_children", "_parents", "_values")
+    __slots__ = ("_children", "_is_whole", "_parents", "_values", "_whole")
 
-    def __init__(self) -> None:
+    def __init__(self, is_whole: Callable[[V], bool]) -> None:
+        self._is_whole = is_whole  # whether a held value is a whole block (not a tail)
         self._values: dict[BlockKey, V] = {}
         self._parents: dict[BlockKey, BlockKey | None] = {}
         self._children: dict[BlockKey, dict[BlockKey, None]] = {}
+        self._whole: dict[BlockKey, dict[BlockKey, None]] = {}  # the whole blocks among each block's children
 
     def get(self, key: BlockKey) -> V | None:
         """Return what is held under `key`, or None."""
@@ -155,6 +160,8 @@ class Held(Generic[V]):
             self._parents[key] = parent
             if parent is not None:
                 self._children.setdefault(parent, {})[key] = None
+                if self._is_whole(value):
+                    self._whole.setdefault(parent, {})[key] = None
         self._values[key] = value
 
     def pop(self, key: BlockKey) -> V | None:
@@ -164,10 +171,12 @@ class Held(Generic[V]):
             return None
         parent = self._parents.pop(key)
         if parent is not None:
-            siblings = self._children[parent]
-            del siblings[key]
-            if not siblings:
-                del self._children[parent]
+            for index in (self._children, self._whole):
+                siblings = index.get(parent)
+                if siblings is not None and key in siblings:
+                    del siblings[key]
+                    if not siblings:
+                        del index[parent]
         return value
 
     def clear(self) -> None:
@@ -175,10 +184,15 @@ class Held(Generic[V]):
         self._values.clear()
         self._parents.clear()
         self._children.clear()
+        self._whole.clear()
 
-    def children(self, parent: BlockKey) -> list[BlockKey]:
-        """Return the held blocks whose parent is `parent`, the newest last."""
-        return list(self._children.get(parent, ()))
+    def children(self, parent: BlockKey, *, newest: int | None = None, whole: bool = False) -> list[BlockKey]:
+        """Return the held blocks whose parent is `parent`, newest last: the `newest` newest of them where given,
+        only the whole blocks with `whole`."""
+        held = (self._whole if whole else self._children).get(parent, {})
+        if newest is None or newest >= len(held):
+            return list(held)
+        return list(itertools.islice(reversed(held), newest))[::-1]
 
     def __contains__(self, key: object) -> bool:
         return key in self._values
@@ -296,8 +310,11 @@ class Tier(ABC):
         """Return the keys of every held block."""
 
     @abstractmethod
-    def children(self, parent: BlockKey) -> list[tuple[BlockKey, tuple[int, ...]]]:
-        """Return the held blocks that follow `parent` in a prefix, with their token ids, the newest last."""
+    def children(
+        self, parent: BlockKey, *, newest: int | None = None, whole: bool = False
+    ) -> list[tuple[BlockKey, tuple[int, ...]]]:
+        """Return the held blocks that follow `parent` in a prefix, with their token ids, the newest last: the `newest`
+        newest of them where given, only whole blocks (not tails) with `whole`."""
 
     @abstractmethod
     def peek(self, key: BlockKey) -> Block | None:

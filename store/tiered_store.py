@@ -353,7 +353,6 @@ class TieredStore:
         """
         self.expire()
         keys = self.reusable_keys(namespace, tokens)
-        size = self.layout.block_size
         blocks = 0
         forks: list[int] = []
         for key in keys:
@@ -369,7 +368,8 @@ class TieredStore:
             children: set[BlockKey] = set()
             for tier in self.tiers:
                 with self._lock if not tier.persistent else contextlib.nullcontext():
-                    children.update(key for key, ids in tier.children(keys[index - 1]) if len(ids) == size)
+                    # Two whole blocks after it are a fork: no tier need list more than two.
+                    children.update(key for key, _ in tier.children(keys[index - 1], newest=2, whole=True))
             if len(children) > 1:
                 forks.append(index)
         return HeldRun(blocks, tuple(forks))
@@ -396,7 +396,7 @@ class TieredStore:
         best: PartialBlock | None = None
         for tier in self.tiers:
             with self._lock:
-                children = tier.children(keys[run - 1])[-_CONTINUATIONS:]
+                children = tier.children(keys[run - 1], newest=_CONTINUATIONS)
             best = _nearer(best, tier.name, children, wanted)
         if self.remote is not None and following is None and (best is None or best.tokens < len(wanted)):
             following = self.remote.continuations(keys[run - 1])

@@ -186,6 +186,22 @@ def test_children_list_the_held_blocks_after_a_block_and_drop_removed_ones(make_
     assert tier.children(first.key) == []
 
 
+def test_children_give_the_newest_few_and_the_whole_blocks_apart_from_the_tails(make_tier: TierFactory) -> None:
+    tier = make_tier(6)
+    first, second = make_tier_blocks(2)
+    tails = [Block(tail_key(first.key, (i, 9)), (i, 9), make_kv(i), parent=first.key, created=5.0) for i in (3, 4, 5)]
+    for block in (first, second, *tails):  # `second` is the one whole block after `first`, older than its tails
+        tier.put(block)
+    assert tier.children(first.key, newest=2) == [(tail.key, tail.tokens) for tail in tails[1:]]
+    assert tier.children(first.key, newest=9) == tier.children(first.key) and len(tier.children(first.key)) == 4
+    assert tier.children(first.key, whole=True) == [(second.key, second.tokens)]
+    assert tier.children(first.key, newest=1, whole=True) == [(second.key, second.tokens)]
+    tier.remove(second.key)
+    assert tier.children(first.key, whole=True) == [] and len(tier.children(first.key)) == 3
+    tier.remove(tails[0].key)
+    assert tier.children(first.key, newest=5) == [(tail.key, tail.tokens) for tail in tails[1:]]
+
+
 def test_the_policy_names_the_least_recently_used_victim(make_tier: TierFactory) -> None:
     tier = make_tier(4)
     blocks = make_tier_blocks(3)

@@ -12,7 +12,17 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import make_policy
-from prefixgate.store import Block, BlockKey, BlockLayout, EntryInfo, Namespace, TieredStore, chain_keys, tiered_store
+from prefixgate.store import (
+    Block,
+    BlockKey,
+    BlockLayout,
+    EntryInfo,
+    Namespace,
+    TieredStore,
+    chain_keys,
+    tail_key,
+    tiered_store,
+)
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
 from prefixgate.store.tiered_store import StoreConfig, TierConfig
@@ -130,6 +140,18 @@ def test_a_partial_block_comes_only_from_the_same_namespace(open_store: StoreFac
     assert store.lookup(NS, PROMPT[:10] + [7]).cached_tokens == 10
     match = store.lookup(other, PROMPT[:10] + [7])
     assert match.cached_tokens == 8 and match.partial is None  # the same tokens after it are not its blocks
+
+
+def test_a_fork_is_found_after_a_block_that_many_tails_follow(open_store: StoreFactory) -> None:
+    store = open_store()
+    blocks = make_blocks(store, PROMPT[:12])  # blocks 0..2
+    store.put(blocks)
+    tails = [Block(tail_key(blocks[0].key, (i, 8)), (i, 8), make_kv(i), parent=blocks[0].key) for i in range(5)]
+    store.put(tails)  # prompts that stopped short of a whole block after block 0: no fork
+    assert store.held(NS, PROMPT[:12] + [7]).forks == ()
+    store.put(make_blocks(store, PROMPT[:4] + [9, 9, 9, 9])[1:])  # a second whole block after block 0
+    store.put([Block(tail_key(blocks[0].key, (6, 8)), (6, 8), make_kv(6), parent=blocks[0].key)])  # newer than both
+    assert store.held(NS, PROMPT[:12] + [7]).forks == (1,)
 
 
 def test_an_evicted_block_is_no_longer_found_after_its_parent(open_store: StoreFactory) -> None:

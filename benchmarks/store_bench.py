@@ -156,15 +156,6 @@ def bench_churn(rows: list[tuple[str, str, str, str]]) -> None:
     rng = random.Random(0)
     prefixes = [[rng.randrange(1000, 50000) for _ in range(40 * size)] for _ in range(30)]
 
-    def blocks(tokens: list[int], start: int) -> list[Block]:
-        keys = chain_keys(seed, tokens, size)
-        return [
-            Block(
-                keys[i], tuple(tokens[i * size : (i + 1) * size]), torch.zeros(layout.shape), keys[i - 1] if i else None
-            )
-            for i in range(start, len(keys))
-        ]
-
     def pieces(tokens: list[int]) -> int:
         slots = [store.tiers[0].peek(key) for key in chain_keys(seed, tokens[: 40 * size], size)]
         pointers = [block.kv.data_ptr() for block in slots if block is not None]
@@ -175,7 +166,7 @@ def bench_churn(rows: list[tuple[str, str, str, str]]) -> None:
     for request in range(6000):
         prompt = prefixes[min(int(rng.paretovariate(1.0)) - 1, 29)] + [rng.randrange(1000, 50000) for _ in range(9)]
         held = store.held(namespace, prompt).blocks
-        store.put(blocks(prompt, min(held, 40)))
+        store.put(_chain(seed, layout, prompt, min(held, 40)))
         if request >= 2000 and request % 10 == 0:
             before.append(pieces(prompt))
             loan = store.borrow(namespace, prompt, start=0, stop=40)
@@ -217,19 +208,30 @@ def _prefix_with_tails(count: int) -> tuple[float, float]:
     prefix = list(range(1000, 1000 + 64 * size))
     config = StoreConfig(TierConfig(0), TierConfig((count + 100) * layout.nbytes), TierConfig(0))
     store = TieredStore.open(None, layout, config)
-    keys = chain_keys(store.seed(namespace), prefix, size)
-    zeros = torch.zeros(layout.shape)
-    parents = [None, *keys[:-1]]
-    store.put([Block(key, tuple(prefix[i * size : (i + 1) * size]), zeros, parents[i]) for i, key in enumerate(keys)])
+    blocks = _chain(store.seed(namespace), layout, prefix)
+    store.put(blocks)
+    last, zeros = blocks[-1].key, torch.zeros(layout.shape)
     for i in range(count):
         tokens = (50000 + i, 7)
-        store.put([Block(tail_key(keys[-1], tokens), tokens, zeros, keys[-1])])
+        store.put([Block(tail_key(last, tokens), tokens, zeros, last)])
     prompt = [*prefix, 3, 4, 5]
     out = torch.empty((*layout.shape[:3], len(prompt), layout.shape[4]))
     held = best_of(50, lambda: store.held(namespace, prompt))
     fetched = best_of(50, lambda: store.fetch(namespace, prompt, out))
     store.close()
     return held, fetched
+
+
+def _chain(seed: bytes, layout: BlockLayout, tokens: list[int], start: int = 0) -> list[Block]:
+    """Return the whole blocks of `tokens` from block `start` on, keyed and chained as the store keys them, K and V
+    zero."""
+    size = layout.block_size
+    keys = chain_keys(seed, tokens, size)
+    zeros = torch.zeros(layout.shape)
+    return [
+        Block(keys[i], tuple(tokens[i * size : (i + 1) * size]), zeros, keys[i - 1] if i else None)
+        for i in range(start, len(keys))
+    ]
 
 
 def main() -> None:

@@ -27,7 +27,8 @@
    packed_linear.py's Python operator calls it where the kernel does not take a layer), whose matrix units are the
    faster there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
    (bfloat16 code panels): each pair row is rebuilt as float32 and rounded to bfloat16 in registers, which is the pair
-   panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. */
+   panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. Built with AMX,
+   the bfloat16 code panels take AMX_FROM to AMX_ROWS rows on its tiles instead (amx_coded_linear). */
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -234,6 +235,10 @@ static inline void round_out(const float *c, const uint16_t *bias, int64_t colum
         sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(
                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16)));
     }
+    if (columns == 16) {
+        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(sums));
+        return;
+    }
     uint16_t rounded[16];
     _mm256_storeu_si256((__m256i *)rounded, (__m256i)_mm512_cvtneps_pbh(sums));
     memcpy(out, rounded, columns * sizeof *out);
@@ -309,6 +314,101 @@ struct prefixgate_linear_weight {
     const uint16_t *pairs;
     c10::TensorImpl *onednn;
 };
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_ROWS 64  /* the most rows a product of bfloat16 code panels takes on AMX's tiles: four of 16 */
+#define AMX_FROM 2   /* and the fewest: one row of a decode step runs as fast on the code panels of CODED_PAIR_ROWS */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether Linux granted this process AMX's tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once as the
+   library loads: without it a tile instruction faults. */
+static const bool amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Tiles for products of `rows` rows of x (at most AMX_ROWS) by a weight tile: 0 to 3 the sums of 16 rows each, 4 and 5
+   rows of x (16, and the rest past a multiple of 16), 6 the weight (16 pair rows of 16 columns). Loading a
+   configuration zeroes every tile. */
+static void configure_tiles(int64_t rows) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int64_t shape[7] = {rows, rows - 16, rows - 32, rows - 48, 16, rows % 16, 16};
+    for (int t = 0; t < 7; t++) {
+        const int64_t r = shape[t] < 0 ? 0 : shape[t] > 16 ? 16 : shape[t];
+        config.rows[t] = (uint8_t)r;
+        config.bytes_per_row[t] = r ? 64 : 0;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Sums tile `t` (rows 16 t to 16 t + 15) += those rows of x at pair rows [i, i + 16) times the weight tile. */
+#define ROW_TILE(t)                                                                         \
+    if (16 * (t) + 16 <= rows) {                                                            \
+        _tile_loadd(4, x + 16 * (t) * k + 2 * i, k * 2);                                   \
+        _tile_dpbf16ps(t, 4, 6);                                                            \
+    } else if (16 * (t) < rows) {                                                           \
+        _tile_loadd(5, x + 16 * (t) * k + 2 * i, k * 2);                                   \
+        _tile_dpbf16ps(t, 5, 6);                                                            \
+    }
+
+/* y[m, n] = x[m, k] W^T (+ bias) for up to AMX_ROWS bfloat16 rows of x against the weight's bfloat16 code panels, on
+   AMX's tiles: each 32 values of k of a panel rebuilt as the pair panel holds them (rebuild_pair) into a tile of 16
+   pair rows of 16 columns (1 KiB, two taken in turn so that one is rebuilt while the other is multiplied), then
+   multiplied by the rows' 32 values of k, one instruction per 16 rows. The products read the codes only (SmolLM2:
+   115 MB instead of 270), and the matrix units take 16 rows at the cost of one: a decode step of 16 streams costs
+   about what one stream's does. Each output is summed over k pair by pair, as oneDNN's product on AMX sums it (the
+   same bits for up to 32 rows, measured on SmolLM2's layers), and rounded once. */
+static void amx_coded_linear(const struct prefixgate_linear_weight *w, const uint16_t *x, int64_t m, uint16_t *y) {
+    const int64_t n = w->n, k = w->k, count = (n + 15) / 16, stride = w->bits * 2, pairs = k / 2, rows = m;
+    const int half = w->bits == 4;
+#pragma omp parallel
+    {
+        configure_tiles(rows);
+        uint16_t weights[2][16 * 32] __attribute__((aligned(64)));
+        float c[AMX_ROWS * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            const int8_t *codes = w->codes + p * k * stride;
+            const float *scales = w->scales + p * k / BLOCK * 16, *offsets = w->offsets + p * k / BLOCK * 16;
+            _tile_zero(0);  /* the tiles in use: an empty one may not be touched */
+            if (rows > 16) _tile_zero(1);
+            if (rows > 32) _tile_zero(2);
+            if (rows > 48) _tile_zero(3);
+            for (int64_t i = 0; i < pairs; i += 16) {  /* a block of 32 values of k: one tile */
+                /* 4 to 8 blocks on (this panel's or the next's, which this thread most likely takes next) */
+                const char *ahead = (const char *)codes + (i + 128) * stride * 2;
+                for (int64_t line = 0; line < stride * 32; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+                const __m512 d = _mm512_loadu_ps(scales + i / 16 * 16), o = _mm512_loadu_ps(offsets + i / 16 * 16);
+                uint16_t *tile = weights[i / 16 % 2];
+                for (int64_t j = 0; j < 16; j++)
+                    _mm512_store_si512(tile + j * 32, (__m512i)rebuild_pair(codes, half, i + j, d, o));
+                _tile_loadd(6, tile, 64);
+                ROW_TILE(0)
+                ROW_TILE(1)
+                ROW_TILE(2)
+                ROW_TILE(3)
+            }
+            _tile_stored(0, c, 64);
+            if (rows > 16) _tile_stored(1, c + 256, 64);
+            if (rows > 32) _tile_stored(2, c + 512, 64);
+            if (rows > 48) _tile_stored(3, c + 768, 64);
+            const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
+            for (int64_t r = 0; r < rows; r++)
+                round_out(c + r * 16, w->bias ? (const uint16_t *)w->bias + p * 16 : nullptr, columns, y + r * n + p * 16);
+        }
+        _tile_release();
+    }
+}
+static bool on_tiles(int64_t m) { return amx_granted && m >= AMX_FROM && m <= AMX_ROWS; }
+#else
+static bool on_tiles(int64_t) { return false; }
+#endif
 
 /* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t), from the
    weight's code panels where `coded`, else its float or pair panels. Panels are shared out among the threads. */
@@ -386,8 +486,11 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     const int64_t m = x.numel() / w->k;
     if (plain && m > GROUP) return at::linear(x, *plain, bias);
     /* bfloat16 rows: code panels for up to CODED_PAIR_ROWS, pair panels for up to PAIR_ROWS, oneDNN's past them */
+    /* bfloat16 rows: code panels on AMX's tiles for up to AMX_ROWS where the CPU has AMX; else code panels for up to
+       CODED_PAIR_ROWS and pair panels for up to PAIR_ROWS; oneDNN's product past them */
+    const bool tiles = bfloat16 && w->codes && on_tiles(m);
     const int coded = w->codes && (!bfloat16 || m <= CODED_PAIR_ROWS);
-    if (bfloat16 && !coded && m > PAIR_ROWS) {
+    if (bfloat16 && !tiles && !coded && m > PAIR_ROWS) {
         static const auto onednn =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -407,7 +510,8 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
         return y;
     }
 #if defined(__AVX512BF16__)
-    linear(w, coded, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+    if (tiles) amx_coded_linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+    else linear(w, coded, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
 #else
     TORCH_CHECK(false, "linear_panels: this build has no bfloat16 products (it needs AVX-512 BF16)");
 #endif

@@ -39,6 +39,9 @@ laid out as those codes, in pair order: the kernel rebuilds each two weights in 
 torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes (SmolLM2: 115 MB against 270).
 That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels for 6 to 8
 (rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
+Where the CPU has AMX, the kernel builds with it and the codes take 2 to 64 rows on its tiles (each 32 values of k of 16
+outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
+against oneDNN's 18.5, 64 rows 16.0 against 23.3 (see README, "The model's dtype").
 
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
@@ -461,6 +464,7 @@ _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20")
 _AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512: 16 columns a vector, 12 rows at a time
 _BF16_FLAGS = ("-mavx512bw", "-mavx512bf16")  # and its bfloat16 products where it has AVX-512 BF16
+_AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # and where it has AMX too, products of bfloat16 code panels on its tiles
 
 
 def _flags() -> tuple[str, ...]:
@@ -468,13 +472,21 @@ def _flags() -> tuple[str, ...]:
     flags = cpu_attention.cpu_flags() or frozenset()
     if "avx512f" not in flags:
         return _FLAGS
-    return _FLAGS + _AVX512_FLAGS + (_BF16_FLAGS if {"avx512bw", "avx512_bf16"} <= flags else ())
+    bfloat16 = _BF16_FLAGS if {"avx512bw", "avx512_bf16"} <= flags else ()
+    amx = _AMX_FLAGS if bfloat16 and {"amx_tile", "amx_bf16"} <= flags else ()
+    return _FLAGS + _AVX512_FLAGS + bfloat16 + amx
 
 
 def bfloat16_products() -> bool:
     """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 8 rows, beside
     oneDNN's layout)."""
     return _BF16_FLAGS[-1] in _flags() and _kernel()  # no build where it could not take them
+
+
+def amx_products() -> bool:
+    """Say whether the kernel multiplies bfloat16 code panels on AMX's tiles here (up to 64 rows): where it builds with
+    AMX (the CPU has it; the kernel asks Linux for the tile state as it loads, as the attention kernel does)."""
+    return _AMX_FLAGS[0] in _flags() and bfloat16_products()
 
 
 @functools.cache
@@ -498,6 +510,7 @@ def _kernel() -> bool:
             torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
             kind = "AVX-512" if _AVX512_FLAGS[0] in flags else "AVX2"
             also = ", and bfloat16 decode steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""
+            also += " and GGUF codes on AMX's tiles" if _AMX_FLAGS[0] in flags else ""
             _log.info("float32 linear layers run on the C++ kernel (%s float32%s)", kind, also)
             return True
     _log.info("linear layers run on oneDNN's and torch's products alone: the C++ kernel %s", why)

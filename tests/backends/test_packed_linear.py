@@ -238,7 +238,12 @@ def test_a_bfloat16_layer_gives_up_to_8_rows_the_kernels_sums_and_more_onednns_p
             layer(x.float())
 
 
+on_tiles = pytest.mark.skipif(not packed_linear.amx_products(), reason="the linear kernel runs no AMX tiles here")
+off_tiles = pytest.mark.skipif(packed_linear.amx_products(), reason="the linear kernel runs AMX tiles here")
+
+
 @needs_bfloat16_kernel
+@off_tiles
 @pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
 def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_the_pair_panels_bits(
     qtype: GGMLQuantizationType,
@@ -264,7 +269,41 @@ def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_t
     assert calls["prefixgate::linear_panels"] == 6 and calls["mkldnn::_linear_pointwise"] == 2
 
 
+@on_tiles
+@pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
+def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_up_to_64_rows_products_of_its_codes_on_the_tiles(
+    qtype: GGMLQuantizationType,
+) -> None:
+    # 37 output features: the last panel is partial
+    original = gguf_weight((37, 1536), qtype)
+    linear = torch.nn.Linear(1536, 37).to(torch.bfloat16)
+    linear.weight.data = original.bfloat16()
+    layer = PackedLinear(linear, found=block_codes(original))
+    assert {"codes", "pairs"} <= layer.layout.keys()
+    x = torch.randn(80, 1536, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        exact = (x.double() @ linear.weight.double().T + linear.bias.double()).float()
+        # 2 to 64 rows on the tiles, 16 at a time and what is left (one row on the code panels): the codes rebuilt as
+        # the pair panels hold them, the sums in float32 rounded once, a unit in the last place at most from the exact
+        # product; past 64 rows oneDNN's product
+        for rows in (1, 5, 8, 16, 17, 40, 64):
+            torch.testing.assert_close(layer(x[:rows]).float(), exact[:rows], atol=2**-7, rtol=2**-7)
+        assert torch.equal(layer(x[:65]), torch.ops.prefixgate.packed_linear(x[:65], layer.number))
+        before = layer(x[:64])
+        layer.layout["pairs"].zero_()  # read by no count of rows
+        assert torch.equal(layer(x[:64]), before)
+        layer.layout["scales"].zero_()  # the codes' d and o, read by every count to 64: each row now the bias alone
+        layer.layout["offsets"].zero_()
+        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in (1, 8, 17, 64))
+        with profile(activities=[ProfilerActivity.CPU]) as ran:
+            for rows in (1, 8, 64, 65):
+                layer(x[:rows])
+    calls = {event.key: event.count for event in ran.key_averages()}
+    assert calls["prefixgate::linear_panels"] == 4 and calls["mkldnn::_linear_pointwise"] == 1
+
+
 @needs_bfloat16_kernel
+@off_tiles
 def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_to_8() -> None:
     original = gguf_weight((37, 160), GGMLQuantizationType.Q8_0)
     linear = torch.nn.Linear(160, 37).to(torch.bfloat16)

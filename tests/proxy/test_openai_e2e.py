@@ -50,7 +50,9 @@ def test_chat_and_completions_streaming_and_not(start_server: Callable[..., Serv
     client = start_server().client()
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # Not "What is the capital of France?": bfloat16 ties its first two tokens, `The` and `L` (README, "The dtype:
+        # speed and quality"); this one is 1.4 logits clear of the next, eager or compiled.
+        messages=[{"role": "user", "content": "Name the capital of France."}],
         max_tokens=20,
         temperature=0,
     )
@@ -59,7 +61,7 @@ def test_chat_and_completions_streaming_and_not(start_server: Callable[..., Serv
 
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": "Name the capital of France."}],
         max_tokens=20,
         temperature=0,
         stream=True,

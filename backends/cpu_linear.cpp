@@ -490,7 +490,7 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
        CODED_PAIR_ROWS and pair panels for up to PAIR_ROWS; oneDNN's product past them */
     const bool tiles = bfloat16 && w->codes && on_tiles(m);
     const int coded = w->codes && (!bfloat16 || m <= CODED_PAIR_ROWS);
-    if (bfloat16 && !tiles && !coded && m > PAIR_ROWS) {
+    if (bfloat16 && !tiles && !coded && (m > PAIR_ROWS || !w->pairs)) {  /* no pair panels beside tiles' codes */
         static const auto onednn =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

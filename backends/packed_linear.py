@@ -41,7 +41,8 @@ That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 agai
 (rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
 Where the CPU has AMX, the kernel builds with it and the codes take 2 to 64 rows on its tiles (each 32 values of k of 16
 outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
-against oneDNN's 18.5, 64 rows 16.0 against 23.3 (see README, "The model's dtype").
+against oneDNN's 18.5, 64 rows 16.0 against 23.3 (see README, "The model's dtype"). No count of rows then reads such a
+layer's pair panels, so none are made (SmolLM2: 270 MB less).
 
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
@@ -111,13 +112,16 @@ class PackedLinear(torch.nn.Module):
                 if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
                     # and the kernel's layouts: pair panels for up to 8 rows, and before them its codes in pair order
                     # for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++ object,
-                    # which `packed` keeps) takes more
-                    coded: dict[str, torch.Tensor] = {}
+                    # which `packed` keeps) takes more. Where the codes take 2 to 64 rows on AMX's tiles, no count of
+                    # rows reads pair panels, and none are made.
+                    layouts: dict[str, torch.Tensor] = {}
                     bits = 0
                     if found is not None and torch.equal(_rebuilt(*found).to(torch.bfloat16), weight):
-                        coded["codes"], bits = _halves(_pairs(found[0]).flatten(-2))
-                        coded["scales"], coded["offsets"] = _panels(found[1]), _panels(found[2])
-                    self._describe(pairs=_pairs(weight), **coded, bits=bits, onednn=self.packed._cdata)
+                        layouts["codes"], bits = _halves(_pairs(found[0]).flatten(-2))
+                        layouts["scales"], layouts["offsets"] = _panels(found[1]), _panels(found[2])
+                    if not (layouts and amx_products()):
+                        layouts["pairs"] = _pairs(weight)
+                    self._describe(**layouts, bits=bits, onednn=self.packed._cdata)
             else:
                 if found is None and codes:
                     found = block_codes(weight)
@@ -318,12 +322,13 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
         )
     codes = [layer for layer in kept if "codes" in layer.layout]
     held = sum(layer.layout[part].nbytes for layer in codes for part in ("codes", "scales", "offsets"))
-    if codes and paired:
+    if any(hasattr(layer, "packed") for layer in codes):  # bfloat16 layers, beside oneDNN's layout
         _log.info(
             "%d of %d bfloat16 linear layers also read the GGUF codes their float32 weights are, rebuilding the "
-            "bfloat16 weights to the bit, for decode steps of up to 5 rows (%.0f MB more)",
+            "bfloat16 weights to the bit, for products of %s (%.0f MB more)",
             len(codes),
             len(kept),
+            "up to 64 rows, 2 or more on AMX's tiles" if amx_products() else "up to 5 rows",
             held / 1e6,
         )
     elif codes:
@@ -342,7 +347,7 @@ def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> 
     kernel takes bfloat16 and the layouts take at most an eighth of the memory free now: pair panels, a second copy of
     the weights (SmolLM2's: 270 MB; a model of 8 billion parameters would double its 16 GB), and for a weight with a
     float32 original in `sources` its codes at most (int8, and a float32 scale and offset for each 32: 1.25 bytes a
-    weight; SmolLM2's are 115 MB)."""
+    weight; SmolLM2's are 115 MB), which on AMX's tiles are made instead of its pair panels."""
     weights = {  # those laid out so (an even width), each once however many layers share it
         id(m.weight): m.weight
         for m in model.modules()
@@ -351,9 +356,11 @@ def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> 
     if not weights or not bfloat16_products():
         return False
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # what `_pairs` makes of each, its rows padded to 16, and its codes where they may be found
+    # what `_pairs` makes of each, its rows padded to 16, and its codes where they may be found (on AMX's tiles, the
+    # codes instead of the pair panels: at most the panels' 2 bytes a weight)
     padded = {key: (w.shape[0] + 15) // 16 * 16 * w.shape[1] for key, w in weights.items()}
-    needed = sum(values * (2 + (1.25 if key in sources else 0)) for key, values in padded.items())
+    codes = 0 if amx_products() else 1.25
+    needed = sum(values * (2 + (codes if key in sources else 0)) for key, values in padded.items())
     if needed > free // 8:
         _log.info(
             "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it could take %.0f MB, more "

@@ -271,7 +271,7 @@ def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_t
 
 @on_tiles
 @pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
-def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_up_to_64_rows_products_of_its_codes_on_the_tiles(
+def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_2_to_64_rows_products_of_its_codes_on_the_tiles(
     qtype: GGMLQuantizationType,
 ) -> None:
     # 37 output features: the last panel is partial
@@ -279,7 +279,7 @@ def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_up_to_64_rows_
     linear = torch.nn.Linear(1536, 37).to(torch.bfloat16)
     linear.weight.data = original.bfloat16()
     layer = PackedLinear(linear, found=block_codes(original))
-    assert {"codes", "pairs"} <= layer.layout.keys()
+    assert "codes" in layer.layout and "pairs" not in layer.layout  # which no count of rows would read
     x = torch.randn(80, 1536, dtype=torch.bfloat16)
     with torch.inference_mode():
         exact = (x.double() @ linear.weight.double().T + linear.bias.double()).float()
@@ -289,9 +289,6 @@ def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_up_to_64_rows_
         for rows in (1, 5, 8, 16, 17, 40, 64):
             torch.testing.assert_close(layer(x[:rows]).float(), exact[:rows], atol=2**-7, rtol=2**-7)
         assert torch.equal(layer(x[:65]), torch.ops.prefixgate.packed_linear(x[:65], layer.number))
-        before = layer(x[:64])
-        layer.layout["pairs"].zero_()  # read by no count of rows
-        assert torch.equal(layer(x[:64]), before)
         layer.layout["scales"].zero_()  # the codes' d and o, read by every count to 64: each row now the bias alone
         layer.layout["offsets"].zero_()
         assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in (1, 8, 17, 64))

@@ -485,7 +485,6 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     TORCH_CHECK(out_features == w->n, "linear_panels: the weight has ", w->n, " outputs, not ", out_features);
     const int64_t m = x.numel() / w->k;
     if (plain && m > GROUP) return at::linear(x, *plain, bias);
-    /* bfloat16 rows: code panels for up to CODED_PAIR_ROWS, pair panels for up to PAIR_ROWS, oneDNN's past them */
     /* bfloat16 rows: code panels on AMX's tiles for up to AMX_ROWS where the CPU has AMX; else code panels for up to
        CODED_PAIR_ROWS and pair panels for up to PAIR_ROWS; oneDNN's product past them */
     const bool tiles = bfloat16 && w->codes && on_tiles(m);
@@ -510,8 +509,13 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
         return y;
     }
 #if defined(__AVX512BF16__)
-    if (tiles) amx_coded_linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
-    else linear(w, coded, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+#if defined(AMX_ROWS)
+    if (tiles) {
+        amx_coded_linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+        return y;
+    }
+#endif
+    linear(w, coded, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
 #else
     TORCH_CHECK(false, "linear_panels: this build has no bfloat16 products (it needs AVX-512 BF16)");
 #endif

@@ -472,6 +472,7 @@ _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20"
 _AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512: 16 columns a vector, 12 rows at a time
 _BF16_FLAGS = ("-mavx512bw", "-mavx512bf16")  # and its bfloat16 products where it has AVX-512 BF16
 _AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # and where it has AMX too, products of bfloat16 code panels on its tiles
+_built: list[tuple[str, ...]] = []  # the flags of the kernel's build that loaded, once `_kernel` has loaded one
 
 
 def _flags() -> tuple[str, ...]:
@@ -491,9 +492,10 @@ def bfloat16_products() -> bool:
 
 
 def amx_products() -> bool:
-    """Say whether the kernel multiplies bfloat16 code panels on AMX's tiles here (up to 64 rows): where it builds with
-    AMX (the CPU has it; the kernel asks Linux for the tile state as it loads, as the attention kernel does)."""
-    return _AMX_FLAGS[0] in _flags() and bfloat16_products()
+    """Say whether the kernel multiplies bfloat16 code panels on AMX's tiles here (up to 64 rows): where it was built
+    with AMX (the CPU has it and the compiler builds it; the kernel asks Linux for the tile state as it loads, as the
+    attention kernel does)."""
+    return bfloat16_products() and _AMX_FLAGS[0] in _built[0]
 
 
 @functools.cache
@@ -507,13 +509,17 @@ def _kernel() -> bool:
         why = cpu_attention.NO_CXX_COMPILER
     if why is None:
         assert compiler is not None
-        try:
-            flags = _flags()
-            built = cpu_attention.build_operator(_SOURCE, flags, compiler)
-            torch.ops.load_library(built)  # type: ignore[no-untyped-call]
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-            why = f"building it failed ({cpu_attention.first_line(error)})"
-        else:
+        wanted = _flags()
+        # where the compiler cannot build AMX's tiles (an older one), the build without them
+        tries = [wanted, tuple(f for f in wanted if f not in _AMX_FLAGS)] if _AMX_FLAGS[0] in wanted else [wanted]
+        for flags in tries:
+            try:
+                built = cpu_attention.build_operator(_SOURCE, flags, compiler)
+                torch.ops.load_library(built)  # type: ignore[no-untyped-call]
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+                why = f"building it failed ({cpu_attention.first_line(error)})"
+                continue
+            _built.append(flags)
             torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
             kind = "AVX-512" if _AVX512_FLAGS[0] in flags else "AVX2"
             also = ", and bfloat16 decode steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""

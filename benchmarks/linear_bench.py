@@ -12,9 +12,10 @@ not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
 
 Where the kernel takes bfloat16 (AVX-512 BF16), a second table: the same layers in bfloat16 as a server packs them (the
 kernel's code panels, read from the float32 weights in the model's folder, for up to 5 rows, its pair panels for up to
-8, oneDNN's layout past them, called from C++), as it packs a bfloat16 layer that is not codes (pair panels for up to 8
-rows, oneDNN's past them), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as
-layers where the kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
+8, oneDNN's layout past them, called from C++; where the CPU has AMX, the codes for up to 64 rows, 2 or more on its
+tiles), as it packs a bfloat16 layer that is not codes (pair panels for up to 8 rows, oneDNN's past them), and
+oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the kernel does not
+take bfloat16 run), and what reading the bfloat16 weights once takes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from prefixgate.backends import HFBackend, packed_linear
 from prefixgate.backends.packed_linear import PackedLinear
 
 ROWS = [1, 8, 16, 64, 512]
-BFLOAT16_ROWS = [1, 4, 6, 8, 16, 64, 512]
+BFLOAT16_ROWS = [1, 4, 6, 8, 16, 32, 64, 512]
 ROUNDS = 5
 
 
@@ -92,7 +93,8 @@ def main() -> None:
 
 def bfloat16() -> None:
     """Print the bfloat16 table: the layers as served (the kernel's code panels up to 5 rows, its pair panels up to 8,
-    oneDNN's layout past them), with pair panels alone (up to 8 rows, oneDNN's past them), and oneDNN's layout alone."""
+    oneDNN's layout past them; with AMX, the codes up to 64 rows), with pair panels alone (up to 8 rows, oneDNN's past
+    them), and oneDNN's layout alone."""
     backend = HFBackend.load("smollm2-135m", dtype="bfloat16", prepack_weights=False, compile_steps=False)
     model = backend._runner.model
     plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -108,8 +110,8 @@ def bfloat16() -> None:
     held = sum(part.nbytes for layer in codes for part in layer.layout.values())
     print(
         f"\nThe same {len(plain)} layers in bfloat16, {weights.nbytes / 1e6:.0f} MB; "
-        f"{sum('codes' in layer.layout for layer in codes)} also as codes for the kernel, {held / 1e6:.0f} MB with its "
-        "pair panels; "
+        f"{sum('codes' in layer.layout for layer in codes)} also as codes for the kernel, {held / 1e6:.0f} MB with "
+        f"{'nothing else (AMX)' if packed_linear.amx_products() else 'its pair panels'}; "
         f"the median of {ROUNDS} rounds\n"
     )
     rows = []
@@ -126,7 +128,9 @@ def bfloat16() -> None:
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
     columns = [
         "rows",
-        "as served: codes to 5 rows, pairs to 8, oneDNN past",
+        "as served: codes to 64 rows (AMX's tiles from 2), oneDNN past"
+        if packed_linear.amx_products()
+        else "as served: codes to 5 rows, pairs to 8, oneDNN past",
         "pairs alone: to 8 rows, oneDNN past",
         "oneDNN's layout (Python operator)",
     ]

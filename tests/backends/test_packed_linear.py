@@ -299,6 +299,23 @@ def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_2_to_64_rows_p
     assert calls["prefixgate::linear_panels"] == 4 and calls["mkldnn::_linear_pointwise"] == 1
 
 
+AMX_REFUSED = """
+from prefixgate.backends import cpu_attention, packed_linear
+flags = cpu_attention.cpu_flags()
+cpu_attention.cpu_flags = lambda: flags | {"amx_tile", "amx_bf16"}  # a CPU with AMX
+packed_linear._AMX_FLAGS = ("-mamx-no-such-instructions",)  # and a compiler that cannot build for it
+assert packed_linear._AMX_FLAGS[0] in packed_linear._flags()
+assert packed_linear._kernel() and packed_linear.bfloat16_products() and not packed_linear.amx_products()
+assert "-mavx512bf16" in packed_linear._built[0]
+"""
+
+
+@needs_bfloat16_kernel
+def test_where_the_compiler_cannot_build_amxs_tiles_the_kernel_is_built_without_them() -> None:
+    ran = subprocess.run([sys.executable, "-c", AMX_REFUSED], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+
+
 @needs_bfloat16_kernel
 @off_tiles
 def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_to_8() -> None:

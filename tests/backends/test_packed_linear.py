@@ -97,6 +97,14 @@ def gguf_weight(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int =
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(weight, qtype), qtype)))
 
 
+def rounded_from_blocks(shape: tuple[int, int], qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.nn.Linear]:
+    """A float32 GGUF weight of `shape` ([out, in]) and a bfloat16 layer (with a bias) whose weight is its rounding."""
+    original = gguf_weight(shape, qtype)
+    linear = torch.nn.Linear(shape[1], shape[0]).to(torch.bfloat16)
+    linear.weight.data = original.bfloat16()
+    return original, linear
+
+
 @needs_float32_kernel
 @pytest.mark.parametrize("rows", [1, 7, 65])
 @pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
@@ -249,9 +257,7 @@ def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_t
     qtype: GGMLQuantizationType,
 ) -> None:
     # 37 output features: the last panel is partial; a long sum, which oneDNN orders otherwise than the pair panels
-    original = gguf_weight((37, 1536), qtype)
-    linear = torch.nn.Linear(1536, 37).to(torch.bfloat16)
-    linear.weight.data = original.bfloat16()
+    original, linear = rounded_from_blocks((37, 1536), qtype)
     coded, paired = PackedLinear(linear, found=block_codes(original)), PackedLinear(linear)
     assert {"codes", "pairs"} <= coded.layout.keys() and "codes" not in paired.layout
     assert coded.layout["codes"].nbytes < paired.layout["pairs"].nbytes
@@ -275,9 +281,7 @@ def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_2_to_64_rows_p
     qtype: GGMLQuantizationType,
 ) -> None:
     # 37 output features: the last panel is partial
-    original = gguf_weight((37, 1536), qtype)
-    linear = torch.nn.Linear(1536, 37).to(torch.bfloat16)
-    linear.weight.data = original.bfloat16()
+    original, linear = rounded_from_blocks((37, 1536), qtype)
     layer = PackedLinear(linear, found=block_codes(original))
     assert "codes" in layer.layout and "pairs" not in layer.layout  # which no count of rows would read
     x = torch.randn(80, 1536, dtype=torch.bfloat16)
@@ -319,9 +323,7 @@ def test_where_the_compiler_cannot_build_amxs_tiles_the_kernel_is_built_without_
 @needs_bfloat16_kernel
 @off_tiles
 def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_to_8() -> None:
-    original = gguf_weight((37, 160), GGMLQuantizationType.Q8_0)
-    linear = torch.nn.Linear(160, 37).to(torch.bfloat16)
-    linear.weight.data = original.bfloat16()
+    original, linear = rounded_from_blocks((37, 160), GGMLQuantizationType.Q8_0)
     layer = PackedLinear(linear, found=block_codes(original))
     x = torch.randn(8, 160, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -335,9 +337,7 @@ def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_t
 
 @needs_bfloat16_kernel
 def test_a_bfloat16_layer_whose_codes_do_not_rebuild_it_keeps_the_pair_panels() -> None:
-    original = gguf_weight((37, 160), GGMLQuantizationType.Q8_0)
-    linear = torch.nn.Linear(160, 37).to(torch.bfloat16)
-    linear.weight.data = original.bfloat16()
+    original, linear = rounded_from_blocks((37, 160), GGMLQuantizationType.Q8_0)
     linear.weight.data[5, 9] += 1  # no longer the rounding of the weight the codes rebuild
     layer = PackedLinear(linear, found=block_codes(original))
     assert "pairs" in layer.layout and "codes" not in layer.layout  # pair panels alone

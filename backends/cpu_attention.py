@@ -358,10 +358,11 @@ def _operator() -> ctypes.CDLL | None:
     return None
 
 
-def _load(flags: tuple[str, ...]) -> ctypes.CDLL | str:
-    """Build the kernel with these flags (once per source) and load it; or say why that failed."""
+def _load(flags: tuple[str, ...], sources: tuple[Path, ...] | None = None) -> ctypes.CDLL | str:
+    """Build the kernel from `sources` (this module's, `_SOURCES`, by default) with these flags (once per source) and
+    load it; or say why that failed."""
     try:
-        library = ctypes.CDLL(str(build(_SOURCES, flags)))
+        library = ctypes.CDLL(str(build(sources or _SOURCES, flags)))
     except (OSError, subprocess.CalledProcessError) as error:
         return f"building it failed ({first_line(error)})"
     if library.prefixgate_request_amx() != 0:

@@ -1,13 +1,17 @@
-"""Compiled decode steps in the model runner alone, SmolLM2 float32: what a step costs without a server around it.
+"""Compiled decode steps in the model runner alone, SmolLM2: what a step costs without a server around it.
 
 Run by hand: `.venv/bin/python benchmarks/step_bench.py` (three to six minutes on 2 cores, most of it compiling). It
 loads SmolLM2 as a server does on a CPU that prepacks float32 weights (AMD's x86 CPUs, and others' GGUF codes where the
-kernel builds), compiles its step, and times `--steps` decode steps of 1, 8 and 16 streams (`--streams`), each stream 40
+kernel builds), or in bfloat16 with `--dtype bfloat16` (as a server does by default on a CPU with AVX-512 BF16),
+compiles its step, and times `--steps` decode steps of 1, 8 and 16 streams (`--streams`), each stream 40
 tokens in; it prints the median and fastest step. With `--python-linear` a second copy of the model is compiled whose
 linear layers reach the same kernel through an operator written in Python (as every build did before
 `prefixgate::linear_panels` was C++), and the steps of the two take turns, so a machine whose speed drifts meets both
 alike: it adds the second copy's times and the median of the step-by-step ratio. With `--prefix N` every stream reads a
 shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix).
+With `--attention-against DIR` each step is also timed with the attention kernel built from the sources in DIR
+(`cpu_attention.c` and its two headers, say an earlier commit's `backends/`), the two kernels taking turns on the same
+model: it adds that column and the median of the step-by-step ratio.
 With `--profile` it also prints where a step's time goes: `torch.profiler` over 20 more steps of each count, the
 operators that took the most of it. Where float32 weights are not prepacked, or their kernel does not build (it needs
 AVX2, FMA and a C++ compiler), it says so and stops."""
@@ -18,12 +22,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from batching_bench import table
 from torch.profiler import ProfilerActivity, profile
 
-from prefixgate.backends import HFBackend, packed_linear
+from prefixgate.backends import HFBackend, cpu_attention, packed_linear
 from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.packed_linear import PackedLinear
 
@@ -60,9 +65,9 @@ class PythonLinear(torch.nn.Module):
         return out
 
 
-def load(python_linear: bool) -> tuple[HFBackend, ModelRunner]:
+def load(dtype: str, python_linear: bool) -> tuple[HFBackend, ModelRunner]:
     """Load SmolLM2 prepacked and compile its step (its linear layers behind a Python operator where asked)."""
-    backend = HFBackend.load("smollm2-135m", dtype="float32", compile_steps=False)
+    backend = HFBackend.load("smollm2-135m", dtype=dtype, compile_steps=False)
     runner = backend._runner
     if python_linear:
         for parent in list(runner.model.modules()):
@@ -82,7 +87,21 @@ def new_buffer(
     config = runner.config
     head_dim = config.hidden_size // config.num_attention_heads
     # buffer: [layers, 2, kv_heads, positions, head_dim]
-    return fill(config.num_hidden_layers, 2, config.num_key_value_heads, positions, head_dim)
+    buffer = fill(config.num_hidden_layers, 2, config.num_key_value_heads, positions, head_dim)
+    return buffer.to(runner.model.dtype)
+
+
+def kernels_from(folder: Path, dtype: torch.dtype) -> cpu_attention.Kernels:
+    """Build and load the attention kernel for `dtype` from the sources in `folder`, as `cpu_attention` picks its
+    builds on this CPU (bfloat16: its last build alone; float32: the first for few rows, the last for many)."""
+    sources = tuple(folder / source.name for source in cpu_attention._SOURCES)
+    builds = []
+    for flags in cpu_attention._builds(dtype):
+        library = cpu_attention._load(flags, sources)
+        if isinstance(library, str):
+            raise SystemExit(f"the attention kernel in {folder} ({cpu_attention.build_name(flags)}): {library}")
+        builds.append(library)
+    return cpu_attention.Kernels(builds[0] if dtype == torch.float32 else builds[-1], builds[-1])
 
 
 def decode(buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...]) -> list[StepInput]:
@@ -110,52 +129,71 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--steps", type=int, default=80, help="timed steps of each count (after 10 not counted)")
-    parser.add_argument("--python-linear", action="store_true", help="also a copy behind a Python operator")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    parser.add_argument("--python-linear", action="store_true", help="also a copy behind a Python operator (float32)")
+    parser.add_argument("--attention-against", type=Path, metavar="DIR", help="also the attention kernel from DIR")
     parser.add_argument("--prefix", type=int, default=0, help="positions of a shared prefix every stream reads first")
     parser.add_argument("--profile", action="store_true", help="also where a step's time goes, by operator")
     args = parser.parse_args()
-    if not packed_linear.packs(torch.float32) or not packed_linear._kernel():
-        print("float32 weights are not prepacked on this CPU, or the kernel does not build here")
+    dtype = getattr(torch, args.dtype)
+    if args.python_linear and dtype != torch.float32:
+        parser.error("--python-linear times float32's kernel: leave out --dtype bfloat16")
+    if not packed_linear.packs(dtype) or (dtype == torch.float32 and not packed_linear._kernel()):
+        print(f"{args.dtype} weights are not prepacked on this CPU, or the kernel does not build here")
         return
-    ways = {"C++ operator": False} | ({"Python operator": True} if args.python_linear else {})
+    if args.attention_against and not cpu_attention.prepare(dtype):
+        print(f"the attention kernel does not run in {args.dtype} here: {cpu_attention.unavailable(dtype)}")
+        return
+    # each way a step is run: a model, and the attention kernel it runs with (None: this checkout's)
+    models = {"this build": False} | ({"Python operator": True} if args.python_linear else {})
     defined = python_operator() if args.python_linear else None  # noqa: F841  # kept while the copies run
     with torch.inference_mode():
-        runners = {name: load(python) for name, python in ways.items()}
-        print(f"SmolLM2-135M-Instruct, float32 prepacked, compiled, {torch.get_num_threads()} threads")
+        loaded = {name: load(args.dtype, python) for name, python in models.items()}
+        ways = {name: (runner, None) for name, (_, runner) in loaded.items()}
+        if args.attention_against:
+            ways["attention from DIR"] = (loaded["this build"][1], kernels_from(args.attention_against, dtype))
+        print(f"SmolLM2-135M-Instruct, {args.dtype} prepacked, compiled, {torch.get_num_threads()} threads")
         print(f"each stream on a shared prefix of {args.prefix} positions\n" if args.prefix else "")
-        (_, first), p = next(iter(runners.values())), args.prefix
+        first, p = ways["this build"][0], args.prefix
         shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
+        ours = cpu_attention._library
         rows, profiles = [], []
         for count in args.streams:
-            buffers = {name: [new_buffer(runner) for _ in range(count)] for name, (_, runner) in runners.items()}
-            for name, (_, runner) in runners.items():
+            buffers = {name: [new_buffer(runner) for _ in range(count)] for name, (runner, _) in ways.items()}
+            for name, (runner, _) in ways.items():
                 for buffer in buffers[name]:
                     runner.run([StepInput(list(range(100, 100 + CONTEXT)), buffer, p, p, shared)])
-            times: dict[str, list[float]] = {name: [] for name in runners}
+            times: dict[str, list[float]] = {name: [] for name in ways}
             for at in range(args.steps + 10):
-                for name in runners if at % 2 else reversed(runners):
+                for name in ways if at % 2 else reversed(ways):
+                    runner, kernels = ways[name]
+                    # the kernel a step is laid out with (`cpu_attention.StepLayout` asks `_library` each step)
+                    cpu_attention._library = ours if kernels is None else (lambda _dtype, k=kernels: k)
                     inputs = decode(buffers[name], at, shared)  # made before the clock starts, as the step's own
                     start = time.perf_counter()
-                    runners[name][1].run(inputs)
+                    runner.run(inputs)
                     if at >= 10:
                         times[name].append(time.perf_counter() - start)
+            cpu_attention._library = ours
             if args.profile:
-                for name, (_, runner) in runners.items():
-                    top = profiled(runner, buffers[name], args.steps + 10, shared)
-                    profiles += [[str(count), name, *row] for row in top]
+                for name, (runner, kernels) in ways.items():
+                    if kernels is None:
+                        top = profiled(runner, buffers[name], args.steps + 10, shared)
+                        profiles += [[str(count), name, *row] for row in top]
             row = [str(count)]
-            for name in runners:
+            for name in ways:
                 row.append(f"{statistics.median(times[name]) * 1e3:.2f} ms ({min(times[name]) * 1e3:.2f})")
-            if args.python_linear:
-                pairs = zip(times["Python operator"], times["C++ operator"], strict=True)
-                row.append(f"{statistics.median(slow / fast for slow, fast in pairs):.3f}x")
+            for other in ways:
+                if other != "this build":
+                    pairs = zip(times[other], times["this build"], strict=True)
+                    row.append(f"{statistics.median(theirs / mine for theirs, mine in pairs):.3f}x")
             rows.append(row)
-        extra = ["Python / C++, step by step"] if args.python_linear else []
-        table(["streams", *(f"{name}: median (fastest)" for name in runners), *extra], rows)
+        ratios = [f"{other} / this build, step by step" for other in ways if other != "this build"]
+        table(["streams", *(f"{name}: median (fastest)" for name in ways), *ratios], rows)
         if profiles:
             print(f"Where {PROFILED} more steps' time went, by operator (its own time, not its callees'):")
             table(["streams", "linear layers", "operator", "a step", "calls a step"], profiles)
-        for backend, _ in runners.values():
+        for backend, _ in loaded.values():
             backend.close()
 
 

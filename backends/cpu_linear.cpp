@@ -28,13 +28,15 @@
    faster there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
    (bfloat16 code panels): each pair row is rebuilt as float32 and rounded to bfloat16 in registers, which is the pair
    panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. Built with AMX,
-   the bfloat16 code panels take AMX_FROM to AMX_ROWS rows on its tiles instead (amx_coded_linear). */
+   the bfloat16 code panels take AMX_FROM to AMX_MANY rows on its tiles instead (amx_coded_linear up to AMX_ROWS,
+   amx_coded_linear_many past them). */
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <torch/library.h>
@@ -318,6 +320,10 @@ struct prefixgate_linear_weight {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define AMX_ROWS 64  /* the most rows a product of bfloat16 code panels takes on AMX's tiles: four of 16 */
 #define AMX_FROM 2   /* and the fewest: one row of a decode step runs as fast on the code panels of CODED_PAIR_ROWS */
+/* Past AMX_ROWS and up to AMX_MANY rows, two panels at a time on the tiles (amx_coded_linear_many); past them oneDNN's
+   product, whose blocking of many rows keeps them nearer: SmolLM2's 211 layers took 188 ms for 1,024 rows against 167
+   to 173 with oneDNN's, and 87 for 512 against 99 to 101 (linear_bench.py). A prompt's chunk is 512 tokens by default. */
+#define AMX_MANY 512
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -345,6 +351,17 @@ static void configure_tiles(int64_t rows) {
         config.bytes_per_row[t] = r ? 64 : 0;
     }
     _tile_loadconfig(&config);
+}
+
+/* Rebuild pair rows [i, i + 16) of a panel's bfloat16 codes (a block of 32 values of k; `stride` bytes the 16 codes
+   of one value of k) into a tile of 16 pair rows of 16 columns, asking meanwhile for the codes 4 to 8 blocks on (this
+   panel's, or the next panel's, which the thread most likely takes next). */
+static inline void rebuild_tile(const int8_t *codes, const int half, int64_t stride, const float *scales,
+                                const float *offsets, int64_t i, uint16_t *tile) {
+    const char *ahead = (const char *)codes + (i + 128) * stride * 2;
+    for (int64_t line = 0; line < stride * 32; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    const __m512 d = _mm512_loadu_ps(scales + i / 16 * 16), o = _mm512_loadu_ps(offsets + i / 16 * 16);
+    for (int64_t j = 0; j < 16; j++) _mm512_store_si512(tile + j * 32, (__m512i)rebuild_pair(codes, half, i + j, d, o));
 }
 
 /* Sums tile `t` (rows 16 t to 16 t + 15) += those rows of x at pair rows [i, i + 16) times the weight tile. */
@@ -381,13 +398,8 @@ static void amx_coded_linear(const struct prefixgate_linear_weight *w, const uin
             if (rows > 32) _tile_zero(2);
             if (rows > 48) _tile_zero(3);
             for (int64_t i = 0; i < pairs; i += 16) {  /* a block of 32 values of k: one tile */
-                /* 4 to 8 blocks on (this panel's or the next's, which this thread most likely takes next) */
-                const char *ahead = (const char *)codes + (i + 128) * stride * 2;
-                for (int64_t line = 0; line < stride * 32; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-                const __m512 d = _mm512_loadu_ps(scales + i / 16 * 16), o = _mm512_loadu_ps(offsets + i / 16 * 16);
                 uint16_t *tile = weights[i / 16 % 2];
-                for (int64_t j = 0; j < 16; j++)
-                    _mm512_store_si512(tile + j * 32, (__m512i)rebuild_pair(codes, half, i + j, d, o));
+                rebuild_tile(codes, half, stride, scales, offsets, i, tile);
                 _tile_loadd(6, tile, 64);
                 ROW_TILE(0)
                 ROW_TILE(1)
@@ -405,7 +417,86 @@ static void amx_coded_linear(const struct prefixgate_linear_weight *w, const uin
         _tile_release();
     }
 }
-static bool on_tiles(int64_t m) { return amx_granted && m >= AMX_FROM && m <= AMX_ROWS; }
+
+/* Tiles for products of up to 32 rows of x by two panels' weight tiles: 0 and 1 the sums of rows 0 to 15 for the first
+   panel and the second, 2 and 3 those of rows 16 to 31, 4 and 5 those rows of x, 6 and 7 the two weight tiles. */
+static void configure_two_panels(int64_t rows) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int64_t first = rows < 16 ? rows : 16, second = rows > 16 ? rows - 16 : 0;
+    const int64_t shape[8] = {first, first, second, second, first, second, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)shape[t];
+        config.bytes_per_row[t] = shape[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* y[m, n] = x[m, k] W^T (+ bias) for more than AMX_ROWS bfloat16 rows of x against the weight's bfloat16 code panels,
+   on AMX's tiles: a thread takes two panels at a time, rebuilds each whole once (as amx_coded_linear rebuilds a tile)
+   into its part of `panels` (omp_get_max_threads() parts of 2 k / 2 x 32), then multiplies every 32 rows of x by
+   both, four sums at a time, so that each tile loaded serves two products. */
+static void amx_coded_linear_many(const struct prefixgate_linear_weight *w, const uint16_t *x, int64_t m, uint16_t *y,
+                                  uint16_t *panels) {
+    const int64_t n = w->n, k = w->k, count = (n + 15) / 16, stride = w->bits * 2, pairs = k / 2;
+    const int half = w->bits == 4;
+#pragma omp parallel
+    {
+        uint16_t *rebuilt = panels + omp_get_thread_num() * 2 * pairs * 32;  /* this thread's two panels' tiles */
+        int64_t configured = -1;
+        float c[2][32 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t p0 = 0; p0 < count; p0 += 2) {
+            const int both = p0 + 1 < count;
+            for (int64_t q = 0; q <= both; q++) {
+                const int8_t *codes = w->codes + (p0 + q) * k * stride;
+                const float *scales = w->scales + (p0 + q) * k / BLOCK * 16;
+                const float *offsets = w->offsets + (p0 + q) * k / BLOCK * 16;
+                uint16_t *panel = rebuilt + q * pairs * 32;
+                for (int64_t i = 0; i < pairs; i += 16) rebuild_tile(codes, half, stride, scales, offsets, i, panel + i * 32);
+            }
+            for (int64_t g = 0; g < m; g += 32) {
+                const int64_t rows = m - g < 32 ? m - g : 32;
+                const uint16_t *xs = x + g * k;
+                if (rows != configured) {
+                    configure_two_panels(rows);
+                    configured = rows;
+                }
+                _tile_zero(0);
+                if (both) _tile_zero(1);
+                if (rows > 16) _tile_zero(2);
+                if (rows > 16 && both) _tile_zero(3);
+                for (int64_t i = 0; i < pairs; i += 16) {
+                    _tile_loadd(6, rebuilt + i * 32, 64);
+                    _tile_loadd(4, xs + 2 * i, k * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (both) {
+                        _tile_loadd(7, rebuilt + (pairs + i) * 32, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (rows > 16) {
+                        _tile_loadd(5, xs + 16 * k + 2 * i, k * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (both) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                if (both) _tile_stored(1, c[1], 64);
+                if (rows > 16) _tile_stored(2, c[0] + 256, 64);
+                if (rows > 16 && both) _tile_stored(3, c[1] + 256, 64);
+                for (int64_t q = 0; q <= both; q++) {
+                    const int64_t p = p0 + q, columns = n - p * 16 < 16 ? n - p * 16 : 16;
+                    for (int64_t r = 0; r < rows; r++)
+                        round_out(c[q] + r * 16, w->bias ? (const uint16_t *)w->bias + p * 16 : nullptr, columns,
+                                  y + (g + r) * n + p * 16);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+static bool on_tiles(int64_t m) { return amx_granted && m >= AMX_FROM && m <= AMX_MANY; }
 #else
 static bool on_tiles(int64_t) { return false; }
 #endif
@@ -485,7 +576,7 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     TORCH_CHECK(out_features == w->n, "linear_panels: the weight has ", w->n, " outputs, not ", out_features);
     const int64_t m = x.numel() / w->k;
     if (plain && m > GROUP) return at::linear(x, *plain, bias);
-    /* bfloat16 rows: code panels on AMX's tiles for up to AMX_ROWS where the CPU has AMX; else code panels for up to
+    /* bfloat16 rows: code panels on AMX's tiles for up to AMX_MANY where the CPU has AMX; else code panels for up to
        CODED_PAIR_ROWS and pair panels for up to PAIR_ROWS; oneDNN's product past them */
     const bool tiles = bfloat16 && w->codes && on_tiles(m);
     const int coded = w->codes && (!bfloat16 || m <= CODED_PAIR_ROWS);
@@ -511,7 +602,12 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
 #if defined(__AVX512BF16__)
 #if defined(AMX_ROWS)
     if (tiles) {
-        amx_coded_linear(w, (const uint16_t *)rows.const_data_ptr(), m, (uint16_t *)y.mutable_data_ptr());
+        const uint16_t *xs = (const uint16_t *)rows.const_data_ptr();
+        if (m <= AMX_ROWS) amx_coded_linear(w, xs, m, (uint16_t *)y.mutable_data_ptr());
+        else {
+            const at::Tensor panels = at::empty({omp_get_max_threads(), w->k * 32}, rows.options());
+            amx_coded_linear_many(w, xs, m, (uint16_t *)y.mutable_data_ptr(), (uint16_t *)panels.mutable_data_ptr());
+        }
         return y;
     }
 #endif

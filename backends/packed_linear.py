@@ -39,10 +39,11 @@ laid out as those codes, in pair order: the kernel rebuilds each two weights in 
 torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes (SmolLM2: 115 MB against 270).
 That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels for 6 to 8
 (rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
-Where the CPU has AMX, the kernel builds with it and the codes take 2 to 64 rows on its tiles (each 32 values of k of 16
-outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
-against oneDNN's 18.5, 64 rows 16.0 against 23.3 (see README, "The model's dtype"). No count of rows then reads such a
-layer's pair panels, so none are made (SmolLM2: 270 MB less).
+Where the CPU has AMX, the kernel builds with it and the codes take 2 to 512 rows on its tiles (each 32 values of k of
+16 outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
+against oneDNN's 18.5, 64 rows 16.0 against 23.3, 216 rows 38.9 against 44.1 and 512 rows 84.3 against 93.2 (see
+README, "The model's dtype"); oneDNN's product takes more. No count of rows then reads such a layer's pair panels, so
+none are made (SmolLM2: 270 MB less).
 
 On other x86 CPUs (Intel's) MKL's products stay the faster past about 100 rows, and the kernel reading codes the faster
 below (SmolLM2's 211 layers on 2 cores of a Xeon: 15.1 ms for 8 rows against MKL's 56.5, 771 for 512 against 522;
@@ -112,7 +113,7 @@ class PackedLinear(torch.nn.Module):
                 if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
                     # and the kernel's layouts: pair panels for up to 8 rows, and before them its codes in pair order
                     # for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++ object,
-                    # which `packed` keeps) takes more. Where the codes take 2 to 64 rows on AMX's tiles, no count of
+                    # which `packed` keeps) takes more. Where the codes take 2 to 512 rows on AMX's tiles, no count of
                     # rows reads pair panels, and none are made.
                     layouts: dict[str, torch.Tensor] = {}
                     bits = 0
@@ -328,7 +329,7 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
             "bfloat16 weights to the bit, for products of %s (%.0f MB more)",
             len(codes),
             len(kept),
-            "up to 64 rows, 2 or more on AMX's tiles" if amx_products() else "up to 5 rows",
+            "up to 512 rows, 2 or more on AMX's tiles" if amx_products() else "up to 5 rows",
             held / 1e6,
         )
     elif codes:
@@ -492,7 +493,7 @@ def bfloat16_products() -> bool:
 
 
 def amx_products() -> bool:
-    """Say whether the kernel multiplies bfloat16 code panels on AMX's tiles here (up to 64 rows): where it was built
+    """Say whether the kernel multiplies bfloat16 code panels on AMX's tiles here (2 to 512 rows): where it was built
     with AMX (the CPU has it and the compiler builds it; the kernel asks Linux for the tile state as it loads, as the
     attention kernel does)."""
     return bfloat16_products() and _AMX_FLAGS[0] in _built[0]

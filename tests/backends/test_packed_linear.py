@@ -277,30 +277,32 @@ def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_t
 
 @on_tiles
 @pytest.mark.parametrize("qtype", GGUF_BLOCKS, ids=lambda qtype: qtype.name)
-def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_2_to_64_rows_products_of_its_codes_on_the_tiles(
+def test_with_amx_a_bfloat16_layer_rounded_from_gguf_blocks_gives_2_to_512_rows_products_of_its_codes_on_the_tiles(
     qtype: GGMLQuantizationType,
 ) -> None:
-    # 37 output features: the last panel is partial
+    # 37 output features: the last panel is partial, and past 64 rows the last of the panels taken two at a time alone
     original, linear = rounded_from_blocks((37, 1536), qtype)
     layer = PackedLinear(linear, found=block_codes(original))
     assert "codes" in layer.layout and "pairs" not in layer.layout  # which no count of rows would read
-    x = torch.randn(80, 1536, dtype=torch.bfloat16)
+    x = torch.randn(513, 1536, dtype=torch.bfloat16)
+    counts = (1, 5, 8, 16, 17, 40, 64, 65, 80, 100, 512)
     with torch.inference_mode():
         exact = (x.double() @ linear.weight.double().T + linear.bias.double()).float()
-        # 2 to 64 rows on the tiles, 16 at a time and what is left (one row on the code panels): the codes rebuilt as
-        # the pair panels hold them, the sums in float32 rounded once, a unit in the last place at most from the exact
-        # product; past 64 rows oneDNN's product
-        for rows in (1, 5, 8, 16, 17, 40, 64):
+        # 2 to 512 rows on the tiles (one row on the code panels): up to 64, 16 rows at a time and what is left, then
+        # 32 at a time and what is left; the codes rebuilt as the pair panels hold them, the sums in float32 rounded
+        # once, a unit in the last place at most from the exact product; past 512 rows oneDNN's product
+        for rows in counts:
             torch.testing.assert_close(layer(x[:rows]).float(), exact[:rows], atol=2**-7, rtol=2**-7)
-        assert torch.equal(layer(x[:65]), torch.ops.prefixgate.packed_linear(x[:65], layer.number))
-        layer.layout["scales"].zero_()  # the codes' d and o, read by every count to 64: each row now the bias alone
+        assert torch.equal(layer(x[:100])[:64], layer(x[:64]))  # each output summed in the same order either way
+        assert torch.equal(layer(x[:513]), torch.ops.prefixgate.packed_linear(x[:513], layer.number))
+        layer.layout["scales"].zero_()  # the codes' d and o, read by every count to 512: each row now the bias alone
         layer.layout["offsets"].zero_()
-        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in (1, 8, 17, 64))
+        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in counts)
         with profile(activities=[ProfilerActivity.CPU]) as ran:
-            for rows in (1, 8, 64, 65):
+            for rows in (1, 8, 64, 65, 512, 513):
                 layer(x[:rows])
     calls = {event.key: event.count for event in ran.key_averages()}
-    assert calls["prefixgate::linear_panels"] == 4 and calls["mkldnn::_linear_pointwise"] == 1
+    assert calls["prefixgate::linear_panels"] == 6 and calls["mkldnn::_linear_pointwise"] == 1
 
 
 AMX_REFUSED = """

@@ -308,33 +308,37 @@ class Kernels(NamedTuple):
 @functools.cache
 def _library(dtype: torch.dtype) -> Kernels | None:
     """Build (once per source) and load the kernel for `dtype`; None, said once in the log, where it cannot run."""
+    kernels, said = kernels_from(dtype)
+    if kernels:
+        _log.info("packed steps in %s attend with %s", _name(dtype), said)
+    else:
+        _log.info("packed steps in %s attend with torch's kernels: %s", _name(dtype), said)
+    return kernels
+
+
+def kernels_from(dtype: torch.dtype, sources: tuple[Path, ...] | None = None) -> tuple[Kernels | None, str]:
+    """Build (once per source) and load the kernel for `dtype` from `sources` (this module's by default), as steps
+    run it; return it, or None where it cannot run, and what to say of it: the builds it runs, or why not."""
     why = unavailable(dtype)
-    if why is None:
-        # bfloat16: where the CPU has AMX its build serves every call, or where that one fails (an older compiler, a
-        # Linux that does not grant the tiles), the AVX-512 BF16 build. float32: AVX2, and AVX-512 for many rows.
-        failures: list[str] = []
-        loaded: list[tuple[str, ctypes.CDLL]] = []  # the builds loaded, the last of `_builds` first
-        for flags in reversed(_builds(dtype)):
-            library = _load(flags)
-            if isinstance(library, str):
-                failures.append(f"{library} ({build_name(flags)})")
-                continue
-            loaded.append((build_name(flags), library))
-            if dtype != torch.float32:
-                break
-        if loaded:
-            (many_name, many), (few_name, few) = loaded[0], loaded[-1]
-            names = few_name if many is few else f"{few_name}; {many_name} for calls of more than {FEW_ROWS} rows"
-            _log.info(
-                "packed steps in %s attend with the C kernel (%s)%s",
-                _name(dtype),
-                names,
-                "".join(f"; {f}" for f in failures),
-            )
-            return Kernels(few, many)
-        why = "; ".join(failures)
-    _log.info("packed steps in %s attend with torch's kernels: the C kernel %s", _name(dtype), why)
-    return None
+    if why is not None:
+        return None, f"the C kernel {why}"
+    # bfloat16: where the CPU has AMX its build serves every call, or where that one fails (an older compiler, a Linux
+    # that does not grant the tiles), the AVX-512 BF16 build. float32: AVX2, and AVX-512 for many rows.
+    failures: list[str] = []
+    loaded: list[tuple[str, ctypes.CDLL]] = []  # the builds loaded, the last of `_builds` first
+    for flags in reversed(_builds(dtype)):
+        library = _load(flags, sources)
+        if isinstance(library, str):
+            failures.append(f"{library} ({build_name(flags)})")
+            continue
+        loaded.append((build_name(flags), library))
+        if dtype != torch.float32:
+            break
+    if not loaded:
+        return None, "the C kernel " + "; ".join(failures)
+    (many_name, many), (few_name, few) = loaded[0], loaded[-1]
+    names = few_name if many is few else f"{few_name}; {many_name} for calls of more than {FEW_ROWS} rows"
+    return Kernels(few, many), f"the C kernel ({names})" + "".join(f"; {f}" for f in failures)
 
 
 @functools.cache

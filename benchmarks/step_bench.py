@@ -91,19 +91,6 @@ def new_buffer(
     return buffer.to(runner.model.dtype)
 
 
-def kernels_from(folder: Path, dtype: torch.dtype) -> cpu_attention.Kernels:
-    """Build and load the attention kernel for `dtype` from the sources in `folder`, as `cpu_attention` picks its
-    builds on this CPU (bfloat16: its last build alone; float32: the first for few rows, the last for many)."""
-    sources = tuple(folder / source.name for source in cpu_attention._SOURCES)
-    builds = []
-    for flags in cpu_attention._builds(dtype):
-        library = cpu_attention._load(flags, sources)
-        if isinstance(library, str):
-            raise SystemExit(f"the attention kernel in {folder} ({cpu_attention.build_name(flags)}): {library}")
-        builds.append(library)
-    return cpu_attention.Kernels(builds[0] if dtype == torch.float32 else builds[-1], builds[-1])
-
-
 def decode(buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...]) -> list[StepInput]:
     """Return decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each."""
     held = shared[0].shape[3] if shared else 0
@@ -144,14 +131,20 @@ def main() -> None:
     if args.attention_against and not cpu_attention.prepare(dtype):
         print(f"the attention kernel does not run in {args.dtype} here: {cpu_attention.unavailable(dtype)}")
         return
+    against = None
+    if args.attention_against:  # built before the model loads, so that a wrong DIR is said at once
+        sources = tuple(args.attention_against / source.name for source in cpu_attention._SOURCES)
+        against, said = cpu_attention.kernels_from(dtype, sources)
+        if against is None:
+            raise SystemExit(f"the attention kernel in {args.attention_against}: {said}")
     # each way a step is run: a model, and the attention kernel it runs with (None: this checkout's)
     models = {"this build": False} | ({"Python operator": True} if args.python_linear else {})
     defined = python_operator() if args.python_linear else None  # noqa: F841  # kept while the copies run
     with torch.inference_mode():
         loaded = {name: load(args.dtype, python) for name, python in models.items()}
         ways = {name: (runner, None) for name, (_, runner) in loaded.items()}
-        if args.attention_against:
-            ways["attention from DIR"] = (loaded["this build"][1], kernels_from(args.attention_against, dtype))
+        if against:
+            ways["attention from DIR"] = (loaded["this build"][1], against)
         print(f"SmolLM2-135M-Instruct, {args.dtype} prepacked, compiled, {torch.get_num_threads()} threads")
         print(f"each stream on a shared prefix of {args.prefix} positions\n" if args.prefix else "")
         first, p = ways["this build"][0], args.prefix

@@ -256,7 +256,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             float *acc = parts + at->parts_at + (item - at->first_item) * stride, *max = acc + rows * d, *sum = max + rows;
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
-                pack(k + t0 * d, v + t0 * d, n, d, w);
+                pack(k + t0 * d, v + t0 * d, n, d, rows, w);
                 ahead_of ahead = {0};
                 if (c + 1 < last) ahead = chunk_ahead(k, v, c + 1, pp->tokens, d);
                 else if (next < items) {

@@ -5,9 +5,10 @@ has AVX-512, for calls of many rows: see `Kernels`).
 Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
 stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
 each block of queries and reads the prefix at a fraction of the memory's speed there. This kernel takes each run of
-256 keys once a call and attends every query row to it: in bfloat16 products summed in float32 (the keys packed for AMX
-tiles where the CPU has AMX, for AVX-512 BF16 dot products elsewhere), or in float32 FMA products over the keys where
-they lie (`cpu_attention_f32.h`), so the call costs little more than reading the prefix. It merges its result into
+256 keys once a call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the
+CPU has AMX, the keys read where they lie for up to 64 rows a KV head and packed for more; packed for AVX-512 BF16 dot
+products elsewhere), or in float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call
+costs little more than reading the prefix. It merges its result into
 the attention the step holds for those rows, in place, so a step makes one call per layer for every request's own
 positions (writing their new keys and values first; causal, with no mask built), then one per run of shared
 positions, into one output, where it is returned. Those calls are a C++ operator's, `prefixgate::attend`

@@ -69,21 +69,28 @@ typedef struct {
     uint16_t probabilities[ROWS * KEYS];
     float out[ROWS * MAX_DIM];                          /* the block's unnormalised output */
     float max[ROWS], sum[ROWS];
+    uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
+    const uint16_t *in_place;                                  /* the chunk's keys, where attend_few reads them */
 } scratch;
 
-/* Pack keys [0, n) of K and V (rows of d) for the tiles; keys past n are zeros. */
-static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, scratch *w) {
+/* 32 columns of `count` rows (`stride` elements apart; zeros past them, to 16) as a tile of their column pairs: row c
+   holds each row's columns 2c and 2c + 1. */
+static inline void pair_tile(const uint16_t *rows, int64_t stride, int64_t count, uint32_t *tile) {
+    __m512i r[16];
+    for (int64_t i = 0; i < 16; i++) r[i] = i < count ? _mm512_loadu_si512(rows + i * stride) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t i = 0; i < 16; i++) _mm512_store_si512(tile + i * 16, r[i]);
+}
+
+/* Pack keys [0, n) of K and V (rows of d) for the products of `rows` query rows; keys past n are zeros. Where AMX
+   takes a whole chunk for at most ROWS rows (one block), the keys are left where they are, for attend_few. */
+static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
     const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    for (int64_t g = 0; g < padded; g += 16) {
+    w->in_place = AMX && rows <= ROWS && n == KEYS ? k : NULL;
+    for (int64_t g = 0; g < (w->in_place ? 0 : padded); g += 16) {
         const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
-        for (int64_t slab = 0; slab < slabs; slab++) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = i < keys ? _mm512_loadu_si512(k + (g + i) * d + slab * 32) : _mm512_setzero_si512();
-            transpose16(r);
-            uint32_t *tile = w->keys + ((g / 16) * slabs + slab) * 256;
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(tile + i * 16, r[i]);
-        }
+        for (int64_t slab = 0; slab < slabs; slab++)
+            pair_tile(k + g * d + slab * 32, d, keys, w->keys + ((g / 16) * slabs + slab) * 256);
     }
     const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -258,6 +265,120 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 }
 #endif
 
+#if AMX
+/* attend_block for a whole run of KEYS keys and at most ROWS rows (a decode step's: 3 a stream for SmolLM2), its keys
+   unpacked. The scores come transposed, a key a row: the keys are the products' first operand, 16 keys of 32 columns
+   a tile read where they are (rows d apart), and the block's queries are packed instead, once a block. The softmax
+   runs down the columns, 16 rows a vector, and the probabilities are transposed into the rows the outputs' products
+   take (8 transposes of 16 by 16 a tile of rows, against 32 that packing 256 keys of 64 columns takes). SmolLM2's 30
+   layers over a 4k prefix (attention_bench.py's shapes, 2 cores with AMX, the builds in turn in one process, two
+   runs): one stream 5.41 and 6.27 ms against 6.12 and 6.72 with the keys packed, 8 streams 7.31 and 7.34 against 7.74
+   and 7.63, 16 streams 8.02 and 9.28 against 8.91 and 10.60. Fewer keys (a run's last) stay packed: a request's own 40
+   keys for 3 rows took longer in place, the softmax then running down 16 rows for 3. */
+static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, int64_t d, float scale, scratch *w,
+                       ahead_of *ahead) {
+    const uint16_t *keys = w->in_place;
+    const int64_t n = KEYS, padded = KEYS, slabs = d / 32, tiles = (count + 15) / 16, blocks = padded / 32;
+    const int64_t calls = padded / 16 + tiles * blocks;
+    ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t slab = 0; slab < slabs; slab++)
+            pair_tile(w->queries + t * 16 * d + slab * 32, d, 16, w->query_pairs + (t * slabs + slab) * 256);
+    float *scores = w->scores;  /* [padded keys][tiles * 16 rows] */
+    const int64_t across = tiles * 16;
+    for (int64_t g = 0; g < padded; g += 16) {
+        fetch_some(ahead);
+        const uint16_t *k = keys + g * d;
+        _tile_zero(0);
+        if (tiles > 1) _tile_zero(1);
+        if (tiles > 2) _tile_zero(2);
+        if (tiles > 3) _tile_zero(3);
+        for (int64_t slab = 0; slab < slabs; slab++) {
+            _tile_loadd(4, k + slab * 32, d * 2);
+            _tile_loadd(6, w->query_pairs + slab * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (tiles > 1) {
+                _tile_loadd(7, w->query_pairs + (slabs + slab) * 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (tiles > 2) {
+                _tile_loadd(6, w->query_pairs + (2 * slabs + slab) * 256, 64);
+                _tile_dpbf16ps(2, 4, 6);
+            }
+            if (tiles > 3) {
+                _tile_loadd(7, w->query_pairs + (3 * slabs + slab) * 256, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+        }
+        _tile_stored(0, scores + g * across, across * 4);
+        if (tiles > 1) _tile_stored(1, scores + g * across + 16, across * 4);
+        if (tiles > 2) _tile_stored(2, scores + g * across + 32, across * 4);
+        if (tiles > 3) _tile_stored(3, scores + g * across + 48, across * 4);
+    }
+    const float log2_scale = scale * 1.44269504088896341f;
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t t = 0; t < tiles; t++) {
+        int32_t seen[16] __attribute__((aligned(64)));  /* the keys each row sees in the chunk */
+        int64_t most_seen = 0;
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t r = t * 16 + i;
+            int64_t visible = n;
+            if (r < count && x->causal_from >= 0) {
+                const int64_t last = x->causal_from + (r0 + r) % x->count - t0;
+                visible = last < 0 ? 0 : (last + 1 < n ? last + 1 : n);
+            }
+            seen[i] = (int32_t)visible;
+            most_seen = visible > most_seen ? visible : most_seen;
+        }
+        const __m512i visible = _mm512_load_si512(seen);
+        const float *column = scores + t * 16;
+        __m512 tops[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                          _mm512_set1_ps(-INFINITY)};
+        if (x->causal_from < 0) {
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4)
+                for (int u = 0; u < 4; u++) tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
+            for (; j < n; j++) tops[0] = _mm512_max_ps(tops[0], _mm512_load_ps(column + j * across));
+        } else
+            for (int64_t j = 0; j < most_seen; j++) {
+                const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
+                tops[j & 3] = _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
+            }
+        const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+        const __mmask16 any = _mm512_cmpgt_epi32_mask(visible, _mm512_setzero_si512());
+        const __m512 factor = _mm512_set1_ps(log2_scale);
+        const __m512 shift = _mm512_maskz_mul_ps(any, top, _mm512_set1_ps(-log2_scale));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            fetch_some(ahead);
+            __m512i p[16];
+            const int whole = x->causal_from < 0;  /* every row sees all 32 keys */
+            for (int64_t i = 0; i < 16; i++) {
+                __m512 e[2];
+                for (int u = 0; u < 2; u++) {
+                    const int64_t j = b * 32 + 2 * i + u;
+                    e[u] = exp2_bf16_512(_mm512_fmadd_ps(_mm512_load_ps(column + j * across), factor, shift));
+                    if (!whole) e[u] = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j)), e[u]);
+                }
+                total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
+                p[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+            }
+            transpose16(p);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(w->probabilities + (t * 16 + i) * KEYS + b * 32, p[i]);
+        }
+        float tops_out[16] __attribute__((aligned(64))), totals[16] __attribute__((aligned(64)));
+        _mm512_store_ps(tops_out, top);
+        _mm512_store_ps(totals, total);
+        for (int64_t i = 0; i < 16 && t * 16 + i < count; i++) {
+            w->max[t * 16 + i] = seen[i] ? tops_out[i] * scale : -INFINITY;
+            w->sum[t * 16 + i] = seen[i] ? totals[i] : 0.0f;
+        }
+    }
+    outputs(w, count, tiles, blocks, d);
+}
+#endif
+
 /* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
    t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). The next chunk is asked
    for a share at a time, with each step of the scores and each row's exponentials: 16 decoding streams over a 7k
@@ -273,6 +394,12 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
     }
     memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
+#if AMX
+    if (w->in_place) {
+        attend_few(x, r0, count, t0, d, scale, w, ahead);
+        return;
+    }
+#endif
     scores(w, count, tiles, padded, d, ahead);
     /* Each row's max and sum of exponentials; probabilities past the last key it sees are 0. Rows past `count` are
        left as they are: their output rows are never read. Exponentials in base 2, the scale folded in. */

@@ -122,8 +122,9 @@ typedef struct {
     float max[ROWS], sum[ROWS];
 } scratch;
 
-/* Keep where the chunk's keys [0, n) are, and lay its values out 16 columns at a time. */
-static void pack(const float *k, const float *v, int64_t n, int64_t d, scratch *w) {
+/* Keep where the chunk's keys [0, n) are, and lay its values out 16 columns at a time (for any count of rows). */
+static void pack(const float *k, const float *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
+    (void)rows;
     w->keys = k;
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < d; c += LANES)  /* column c of key i: in the 16 from c / 16 * 16, at c % 16 */

@@ -91,7 +91,7 @@ def test_the_kernel_merges_attention_over_its_keys_into_what_the_caller_holds(
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
-@pytest.mark.parametrize(("history", "count"), [(0, 1), (0, 27), (38, 27), (700, 300), (5, 1)])
+@pytest.mark.parametrize(("history", "count"), [(0, 1), (0, 27), (38, 27), (700, 300), (5, 1), (491, 21), (250, 12)])
 def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(
     history: int, count: int, dtype: torch.dtype
 ) -> None:

@@ -267,7 +267,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
                 }
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t block = rows - r0 < ROWS ? rows - r0 : ROWS;
-                    attend_block(&x, h, r0, block, t0, n, d, scale, w, &ahead);
+                    attend_block(&x, h, r0, block, t0, n, d, scale, w, &ahead, c == first ? NULL : max + r0);
                     if (c == first) keep_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
                     else merge_block(w, block, d, acc + r0 * d, max + r0, sum + r0);
                 }

@@ -275,7 +275,8 @@ static void softmax(scratch *w, int64_t padded, int64_t n, float scale, const in
    w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). Each product asks for a share of
    what is left of `ahead` as it runs. */
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
-                         float scale, scratch *w, ahead_of *ahead) {
+                         float scale, scratch *w, ahead_of *ahead, const float *held) {
+    (void)held;  /* each chunk's max is found here: see the bfloat16 build's */
     const int64_t padded = (count + LANES - 1) / LANES * LANES;
     for (int64_t g = 0; g < padded; g += LANES) {  /* the queries transposed, LANES rows at a time, zeros past count */
         const float *q[LANES];

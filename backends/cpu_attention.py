@@ -2,21 +2,20 @@
 bfloat16 on CPUs with AVX-512 BF16 and for float32 on CPUs with AVX2 and FMA (and a second float32 build where the CPU
 has AVX-512, for calls of many rows: see `Kernels`).
 
-Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per
-stream) against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for
-each block of queries and reads the prefix at a fraction of the memory's speed there. This kernel takes each run of
-256 keys once a call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the
-CPU has AMX, the keys read where they lie for up to 64 rows a KV head and packed for more; packed for AVX-512 BF16 dot
-products elsewhere), or in float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call
-costs little more than reading the prefix. It merges its result into
-the attention the step holds for those rows, in place, so a step makes one call per layer for every request's own
-positions (writing their new keys and values first; causal, with no mask built), then one per run of shared
-positions, into one output, where it is returned. Those calls are a C++ operator's, `prefixgate::attend`
-(`cpu_attend.cpp`), built against torch as `packed_linear`'s is, so that a compiled step reaches the kernel with no
-Python between; the step is laid out for it once, here (`StepLayout`), for all its layers. Measured on 2 cores,
-SmolLM2's 30 layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon), 11.0 ms for 24 query rows (8
-decoding streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC), 7.0 against 22.9 and 11.1
-against 39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
+Over a shared prefix every query sees every key, and a decode step has few queries per KV head (SmolLM2: 3 per stream)
+against thousands of keys. torch's CPU flash kernel packs the keys and values for its matrix units anew for each block
+of queries and reads the prefix at a fraction of the memory's speed there. This kernel takes each run of 256 keys once a
+call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the CPU has AMX, the
+keys read where they lie for up to 64 rows a KV head and packed for more; packed for AVX-512 BF16 dot products
+elsewhere), or in float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call costs little
+more than reading the prefix. It merges its result into the attention the step holds for those rows, in place, so a step
+makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
+mask built), then one per run of shared positions, into one output, where it is returned. Those calls are a C++
+operator's, `prefixgate::attend` (`cpu_attend.cpp`), built against torch as `packed_linear`'s is, so that a compiled
+step reaches the kernel with no Python between; the step is laid out for it once, here (`StepLayout`), for all its
+layers. Measured on 2 cores, SmolLM2's 30 layers over a 4k-token prefix, against the flash kernel: with AMX (a Xeon),
+11.0 ms for 24 query rows (8 decoding streams) against 16.4, 14.9 against 28.6 for 48 rows; with AVX-512 BF16 (an EPYC),
+7.0 against 22.9 and 11.1 against 39.0 (`benchmarks/attention_bench.py`; README, "Benchmarks").
 
 It takes bfloat16 with a head dimension that is a multiple of 64 and float32 with one that is a multiple of 16 (at most
 256), on Linux x86 CPUs with the features of its build, for models without sliding windows or soft-capping. Each build

@@ -47,8 +47,8 @@ static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finit
 }
 
 /* 2^t for probabilities that are rounded to bfloat16 next (a relative step of 3.9e-3): a quartic, within 2.7e-6 of it
-   (relative, for any t: 0 below -150, infinity from 128), is enough, and 2 products fewer than exp2_512's. Measured on 2 cores with AMX, SmolLM2's 30
-   layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against 156, 16 decoding streams 12.4
+   (relative, for any t: 0 below -150, infinity from 128), is enough, and 2 products fewer than exp2_512's. Measured on
+   2 cores with AMX, SmolLM2's 30 layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against 156, 16 decoding streams 12.4
    against 12.6 to 13.0. Its argument split as t - floor(t) in one instruction (`vreduceps`, and `vscalefps` takes
    floor(t) itself) instead of rounding t and subtracting: 432 prompt rows 114 to 118 ms against 121 (alternating
    builds, the Xeon). */
@@ -278,15 +278,13 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, int64_t d, float scale, scratch *w,
                        ahead_of *ahead) {
     const uint16_t *keys = w->in_place;
-    const int64_t n = KEYS, padded = KEYS, slabs = d / 32, tiles = (count + 15) / 16, blocks = padded / 32;
-    const int64_t calls = padded / 16 + tiles * blocks;
-    ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
+    const int64_t n = KEYS, slabs = d / 32, tiles = (count + 15) / 16, blocks = KEYS / 32;
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t slab = 0; slab < slabs; slab++)
             pair_tile(w->queries + t * 16 * d + slab * 32, d, 16, w->query_pairs + (t * slabs + slab) * 256);
-    float *scores = w->scores;  /* [padded keys][tiles * 16 rows] */
+    float *scores = w->scores;  /* [KEYS keys][tiles * 16 rows] */
     const int64_t across = tiles * 16;
-    for (int64_t g = 0; g < padded; g += 16) {
+    for (int64_t g = 0; g < KEYS; g += 16) {
         fetch_some(ahead);
         const uint16_t *k = keys + g * d;
         _tile_zero(0);
@@ -335,12 +333,11 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
         const float *column = scores + t * 16;
         __m512 tops[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                           _mm512_set1_ps(-INFINITY)};
-        if (x->causal_from < 0) {
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4)
+        const int whole = x->causal_from < 0;  /* every row sees every key */
+        if (whole)
+            for (int64_t j = 0; j < n; j += 4)
                 for (int u = 0; u < 4; u++) tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
-            for (; j < n; j++) tops[0] = _mm512_max_ps(tops[0], _mm512_load_ps(column + j * across));
-        } else
+        else
             for (int64_t j = 0; j < most_seen; j++) {
                 const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
                 tops[j & 3] = _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
@@ -353,7 +350,6 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
         for (int64_t b = 0; b < blocks; b++) {
             fetch_some(ahead);
             __m512i p[16];
-            const int whole = x->causal_from < 0;  /* every row sees all 32 keys */
             for (int64_t i = 0; i < 16; i++) {
                 __m512 e[2];
                 for (int u = 0; u < 2; u++) {
@@ -424,7 +420,8 @@ static inline float exponentials(const float *row, int64_t visible, int64_t padd
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
                          float scale, scratch *w, ahead_of *ahead, const float *held) {
     const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    const int64_t calls = padded / SCORE_KEYS + count;  /* the shares */
+    /* the shares: a step of the scores and a row's exponentials, or with the keys in place a block of a tile's */
+    const int64_t calls = w->in_place ? KEYS / 16 + tiles * (KEYS / 32) : padded / SCORE_KEYS + count;
     ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;

@@ -70,7 +70,7 @@ typedef struct {
     float out[ROWS * MAX_DIM];                          /* the block's unnormalised output */
     float max[ROWS], sum[ROWS];
     uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
-    const uint16_t *in_place;                                  /* the chunk's keys, where attend_few reads them */
+    const uint16_t *in_place, *in_place_values;  /* the chunk's keys and values, where attend_few reads them */
 } scratch;
 
 /* 32 columns of `count` rows (`stride` elements apart; zeros past them, to 16) as a tile of their column pairs: row c
@@ -82,32 +82,53 @@ static inline void pair_tile(const uint16_t *rows, int64_t stride, int64_t count
     for (int64_t i = 0; i < 16; i++) _mm512_store_si512(tile + i * 16, r[i]);
 }
 
-/* Pack keys [0, n) of K and V (rows of d) for the products of `rows` query rows; keys past n are zeros. Where AMX
-   takes a whole chunk for at most ROWS rows (one block), the keys are left where they are, for attend_few. */
-static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
-    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    w->in_place = AMX && rows <= ROWS && n == KEYS ? k : NULL;
-    for (int64_t g = 0; g < (w->in_place ? 0 : padded); g += 16) {
-        const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
-        for (int64_t slab = 0; slab < slabs; slab++)
-            pair_tile(k + g * d + slab * 32, d, keys, w->keys + ((g / 16) * slabs + slab) * 256);
-    }
+/* 32 values of V (rows of d; zeros from value n on), columns [c, c + width) (16, or a multiple of 32), as width / 16
+   tiles `stride` elements apart: a tile's row i holds values 2i and 2i + 1 of each of 16 columns side by side, as the
+   products with the values take them. */
+static inline void pack_values(const uint16_t *v, int64_t n, int64_t d, int64_t c, int64_t width, uint16_t *tiles,
+                               int64_t stride) {
     const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    for (int64_t pair = 0; pair < padded / 2; pair++) {
-        const int64_t a = 2 * pair, b = 2 * pair + 1, block = pair / 16, row = pair % 16;
-        for (int64_t c = 0; c < d; c += 32) {
-            const __m512i x = a < n ? _mm512_loadu_si512(v + a * d + c) : _mm512_setzero_si512();
-            const __m512i y = b < n ? _mm512_loadu_si512(v + b * d + c) : _mm512_setzero_si512();
-            const int64_t j = c / 16;
-            _mm512_store_si512(w->values + ((j * blocks + block) * 16 + row) * 32, _mm512_permutex2var_epi16(x, low, y));
-            _mm512_store_si512(w->values + (((j + 1) * blocks + block) * 16 + row) * 32,
-                               _mm512_permutex2var_epi16(x, high, y));
+    for (int64_t pair = 0; pair < 16; pair++) {
+        const uint16_t *a = v + 2 * pair * d + c, *b = a + d;
+        const int has_a = 2 * pair < n, has_b = 2 * pair + 1 < n;
+        if (width == 16) {  /* the low halves only: `low` takes elements 0 to 15 of each */
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i x = has_a ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)) : zero;
+            const __m512i y = has_b ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)) : zero;
+            _mm512_store_si512(tiles + pair * 32, _mm512_permutex2var_epi16(x, low, y));
+            continue;
+        }
+        for (int64_t h = 0; h < width; h += 32) {
+            const __m512i x = has_a ? _mm512_loadu_si512(a + h) : _mm512_setzero_si512();
+            const __m512i y = has_b ? _mm512_loadu_si512(b + h) : _mm512_setzero_si512();
+            _mm512_store_si512(tiles + (h / 16) * stride + pair * 32, _mm512_permutex2var_epi16(x, low, y));
+            _mm512_store_si512(tiles + (h / 16 + 1) * stride + pair * 32, _mm512_permutex2var_epi16(x, high, y));
         }
     }
 }
 
+/* Pack keys [0, n) of K and V (rows of d) for the products of `rows` query rows; keys past n are zeros. Where AMX
+   takes a whole chunk for at most ROWS rows (one block), they are left where they are, for attend_few. */
+static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
+    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
+    const int in_place = AMX && rows <= ROWS && n == KEYS;
+    w->in_place = in_place ? k : NULL;
+    w->in_place_values = in_place ? v : NULL;
+    if (in_place) return;
+    for (int64_t g = 0; g < padded; g += 16) {
+        const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
+        for (int64_t slab = 0; slab < slabs; slab++)
+            pair_tile(k + g * d + slab * 32, d, keys, w->keys + ((g / 16) * slabs + slab) * 256);
+    }
+    for (int64_t block = 0; block < blocks; block++)  /* per 16 columns and 32 keys */
+        pack_values(v + block * 32 * d, n - block * 32, d, 0, d, w->values + block * 512, blocks * 512);
+}
+
+/* The columns of a pass of attend_few's outputs: its accumulators are `tiles` tiles of rows by width / 16 of columns,
+   four at most. */
+static inline int64_t few_width(int64_t tiles) { return tiles == 1 ? 64 : (tiles == 2 ? 32 : 16); }
 
 #if AMX
 #define SCORE_KEYS 16  /* keys a step of scores() takes: each asks for a share of the next chunk */
@@ -266,6 +287,77 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 #endif
 
 #if AMX
+/* attend_few's unnormalised output, probabilities times values, into w->out. The values are packed 32 keys at a time
+   as the products take them, into a few KB that stay in the nearest cache (where packing the chunk's 32 KB first,
+   before its scores, had them out of it by then), and the next chunk is asked for a share of each 32. SmolLM2's 30
+   layers over a 4k prefix (attention_bench.py's shapes, 2 cores with AMX, the builds in turn in one process, 81
+   rounds): one stream 3.52 ms against 3.86 with the chunk's values packed first, 8 streams 4.45 against 4.95, 16
+   streams 5.80 against 6.12, and 16 streams over 7k 10.33 against 11.51. */
+static void outputs_few(scratch *w, int64_t tiles, int64_t d, ahead_of *ahead) {
+    const int64_t width = few_width(tiles);
+    const uint16_t *p = w->probabilities, *v = w->in_place_values;
+    uint16_t *values = w->values;  /* width / 16 tiles of the 32 keys' values, 512 elements apart */
+    for (int64_t c = 0; c < d; c += width) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < KEYS / 32; b++) {
+            fetch_some(ahead);
+            pack_values(v + b * 32 * d, 32, d, c, width, values, 512);
+            if (tiles == 1) {  /* accumulators: 64 columns */
+                _tile_loadd(4, p + b * 32, KEYS * 2);
+                _tile_loadd(5, values, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, values + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, values + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, values + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            } else if (tiles == 2) {  /* two tiles of rows by 32 columns */
+                _tile_loadd(4, p + b * 32, KEYS * 2);
+                _tile_loadd(5, p + 16 * KEYS + b * 32, KEYS * 2);
+                _tile_loadd(6, values, 64);
+                _tile_loadd(7, values + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            } else {  /* three or four tiles of rows by 16 columns */
+                _tile_loadd(5, values, 64);
+                _tile_loadd(4, p + b * 32, KEYS * 2);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, p + 16 * KEYS + b * 32, KEYS * 2);
+                _tile_dpbf16ps(1, 6, 5);
+                _tile_loadd(4, p + 32 * KEYS + b * 32, KEYS * 2);
+                _tile_dpbf16ps(2, 4, 5);
+                if (tiles > 3) {
+                    _tile_loadd(6, p + 48 * KEYS + b * 32, KEYS * 2);
+                    _tile_dpbf16ps(3, 6, 5);
+                }
+            }
+        }
+        float *out = w->out + c;
+        if (tiles == 1) {
+            _tile_stored(0, out, d * 4);
+            _tile_stored(1, out + 16, d * 4);
+            _tile_stored(2, out + 32, d * 4);
+            _tile_stored(3, out + 48, d * 4);
+        } else if (tiles == 2) {
+            _tile_stored(0, out, d * 4);
+            _tile_stored(1, out + 16, d * 4);
+            _tile_stored(2, out + 16 * d, d * 4);
+            _tile_stored(3, out + 16 * d + 16, d * 4);
+        } else {
+            _tile_stored(0, out, d * 4);
+            _tile_stored(1, out + 16 * d, d * 4);
+            _tile_stored(2, out + 32 * d, d * 4);
+            if (tiles > 3) _tile_stored(3, out + 48 * d, d * 4);
+        }
+    }
+}
+
 /* attend_block for a whole run of KEYS keys and at most ROWS rows (a decode step's: 3 a stream for SmolLM2), its keys
    unpacked. The scores come transposed, a key a row: the keys are the products' first operand, 16 keys of 32 columns
    a tile read where they are (rows d apart), and the block's queries are packed instead, once a block. The softmax
@@ -371,7 +463,7 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
             w->sum[t * 16 + i] = seen[i] ? totals[i] : 0.0f;
         }
     }
-    outputs(w, count, tiles, blocks, d);
+    outputs_few(w, tiles, d, ahead);
 }
 #endif
 
@@ -420,8 +512,10 @@ static inline float exponentials(const float *row, int64_t visible, int64_t padd
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
                          float scale, scratch *w, ahead_of *ahead, const float *held) {
     const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    /* the shares: a step of the scores and a row's exponentials, or with the keys in place a block of a tile's */
-    const int64_t calls = w->in_place ? KEYS / 16 + tiles * (KEYS / 32) : padded / SCORE_KEYS + count;
+    /* the shares: a step of the scores and a row's exponentials; with the keys in place, a step of the scores, a
+       block of a tile's exponentials and a block of a pass of the outputs */
+    const int64_t calls = w->in_place ? (KEYS / 16 + (tiles + d / few_width(tiles)) * (KEYS / 32))
+                                      : padded / SCORE_KEYS + count;
     ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;

@@ -56,6 +56,9 @@ def reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         (4, 1, 8, 515, 64),  # 32 rows per KV head: 8 of them beside 24, and 3 keys past a run of 4
         (1, 1, 1, 1, 64),  # one key
         (4, 2, 7, 77, 128),  # a wider head
+        (4, 2, 7, 600, 128),  # a wider head over whole runs: 14 rows a KV head, two passes of the outputs' columns
+        (6, 2, 9, 300, 128),  # 27 rows: two tiles of rows, four passes
+        (8, 2, 10, 520, 128),  # 40 rows: three tiles of rows, eight passes
     ],
 )
 @pytest.mark.parametrize(("dtype", "build"), BUILDS, ids=[cpu_attention.build_name(build) for _, build in BUILDS])

@@ -48,8 +48,8 @@ static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finit
 
 /* 2^t for probabilities that are rounded to bfloat16 next (a relative step of 3.9e-3): a quartic, within 2.7e-6 of it
    (relative, for any t: 0 below -150, infinity from 128), is enough, and 2 products fewer than exp2_512's. Measured on
-   2 cores with AMX, SmolLM2's 30 layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against 156, 16 decoding streams 12.4
-   against 12.6 to 13.0. Its argument split as t - floor(t) in one instruction (`vreduceps`, and `vscalefps` takes
+   2 cores with AMX, SmolLM2's 30 layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against
+   156, 16 decoding streams 12.4 against 12.6 to 13.0. Its argument split as t - floor(t) in one instruction (`vreduceps`, and `vscalefps` takes
    floor(t) itself) instead of rounding t and subtracting: 432 prompt rows 114 to 118 ms against 121 (alternating
    builds, the Xeon). */
 static inline __m512 exp2_bf16_512(__m512 t) {

@@ -12,6 +12,8 @@ shared prefix of N positions first (random K and V, one tensor read in place by 
 With `--attention-against DIR` each step is also timed with the attention kernel built from the sources in DIR
 (`cpu_attention.c` and its two headers, say an earlier commit's `backends/`), the two kernels taking turns on the same
 model: it adds that column and the median of the step-by-step ratio.
+With `--prompt N` each timed step is N new tokens of every stream instead of one (warm questions after the prefix
+prefilled in one step, as arrivals together are), at the same positions every step.
 With `--profile` it also prints where a step's time goes: `torch.profiler` over 20 more steps of each count, the
 operators that took the most of it. Where float32 weights are not prepacked, or their kernel does not build (it needs
 AVX2, FMA and a C++ compiler), it says so and stops."""
@@ -91,20 +93,24 @@ def new_buffer(
     return buffer.to(runner.model.dtype)
 
 
-def decode(buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...]) -> list[StepInput]:
-    """Return decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each."""
+def decode(buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...], prompt: int = 0) -> list[StepInput]:
+    """Return decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each;
+    with `prompt`, that many new tokens of each instead, at the same positions every step."""
     held = shared[0].shape[3] if shared else 0
+    if prompt:
+        tokens = [list(range(7 + i, 7 + i + prompt)) for i in range(len(buffers))]
+        return [StepInput(ids, kv, held + CONTEXT, held, shared) for ids, kv in zip(tokens, buffers, strict=True)]
     return [StepInput([7 + i], kv, held + CONTEXT + at, held, shared) for i, kv in enumerate(buffers)]
 
 
 def profiled(
-    runner: ModelRunner, buffers: list[torch.Tensor], after: int, shared: tuple[torch.Tensor, ...]
+    runner: ModelRunner, buffers: list[torch.Tensor], after: int, shared: tuple[torch.Tensor, ...], prompt: int
 ) -> list[list[str]]:
     """Run `PROFILED` decode steps from step `after` under `torch.profiler`; return rows of the operators that took the
     most time of them, by their own time (not counting the operators they called): milliseconds and calls a step."""
     with profile(activities=[ProfilerActivity.CPU]) as recorded:
         for at in range(after, after + PROFILED):
-            runner.run(decode(buffers, at, shared))
+            runner.run(decode(buffers, at, shared, prompt))
     events = sorted(recorded.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
     return [
         [event.key[:60], f"{event.self_cpu_time_total / PROFILED / 1e3:.2f} ms", f"{event.count / PROFILED:g}"]
@@ -121,10 +127,13 @@ def main() -> None:
     parser.add_argument("--attention-against", type=Path, metavar="DIR", help="also the attention kernel from DIR")
     parser.add_argument("--prefix", type=int, default=0, help="positions of a shared prefix every stream reads first")
     parser.add_argument("--profile", action="store_true", help="also where a step's time goes, by operator")
+    parser.add_argument("--prompt", type=int, default=0, help="each step N new tokens of every stream, not one")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.python_linear and dtype != torch.float32:
         parser.error("--python-linear times float32's kernel: leave out --dtype bfloat16")
+    if not 0 <= args.prompt <= 512 - CONTEXT:  # each stream's buffer holds 512 positions
+        parser.error(f"--prompt takes 0 to {512 - CONTEXT} tokens")
     if not packed_linear.packs(dtype) or (dtype == torch.float32 and not packed_linear._kernel()):
         print(f"{args.dtype} weights are not prepacked on this CPU, or the kernel does not build here")
         return
@@ -146,7 +155,8 @@ def main() -> None:
         if against:
             ways["attention from DIR"] = (loaded["this build"][1], against)
         print(f"SmolLM2-135M-Instruct, {args.dtype} prepacked, compiled, {torch.get_num_threads()} threads")
-        print(f"each stream on a shared prefix of {args.prefix} positions\n" if args.prefix else "")
+        print(f"each stream on a shared prefix of {args.prefix} positions" if args.prefix else "")
+        print(f"each step {args.prompt} new tokens of every stream\n" if args.prompt else "")
         first, p = ways["this build"][0], args.prefix
         shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
         ours = cpu_attention._library
@@ -162,7 +172,7 @@ def main() -> None:
                     runner, kernels = ways[name]
                     # the kernel a step is laid out with (`cpu_attention.StepLayout` asks `_library` each step)
                     cpu_attention._library = ours if kernels is None else (lambda _dtype, k=kernels: k)
-                    inputs = decode(buffers[name], at, shared)  # made before the clock starts, as the step's own
+                    inputs = decode(buffers[name], at, shared, args.prompt)  # made before the clock, as the step's
                     start = time.perf_counter()
                     runner.run(inputs)
                     if at >= 10:
@@ -171,7 +181,7 @@ def main() -> None:
             if args.profile:
                 for name, (runner, kernels) in ways.items():
                     if kernels is None:
-                        top = profiled(runner, buffers[name], args.steps + 10, shared)
+                        top = profiled(runner, buffers[name], args.steps + 10, shared, args.prompt)
                         profiles += [[str(count), name, *row] for row in top]
             row = [str(count)]
             for name in ways:

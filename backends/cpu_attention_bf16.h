@@ -66,8 +66,8 @@ static inline __m512 exp2_bf16_512(__m512 t) {
    4, each store then waiting on the lines written back before it: SmolLM2's 30 layers over a 4k prefix (2 cores with
    AMX, attention_bench.py's shapes, the builds in turn in one process) took 49.3 ms for 224 prompt rows against 52.6,
    the scores' part of it 27 % less (timed with the TSC in a /tmp build). First in the scratch: where it was, after the
-   queries, the fields after it moved by 4 KB and decode steps of 16 streams took 1 to 4 % longer in some runs (in
-   others no longer); last, every call took 5 to 25 % longer. */
+   queries, the fields after it moved by 4 KB and the kernel's calls for 16 decoding streams took 1 to 4 % longer in
+   some runs (in others no longer); last, every call took 5 to 25 % longer. */
 #define SCORE_ROW (KEYS + 16)
 
 typedef struct {

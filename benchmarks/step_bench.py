@@ -35,6 +35,7 @@ from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.backends.packed_linear import PackedLinear
 
 CONTEXT = 40  # tokens each stream holds before its timed steps
+POSITIONS = 512  # what each stream's own buffer holds
 PROFILED = 20  # steps of each count `--profile` records
 
 
@@ -84,7 +85,7 @@ def load(dtype: str, python_linear: bool) -> tuple[HFBackend, ModelRunner]:
 
 
 def new_buffer(
-    runner: ModelRunner, positions: int = 512, fill: Callable[..., torch.Tensor] = torch.zeros
+    runner: ModelRunner, positions: int = POSITIONS, fill: Callable[..., torch.Tensor] = torch.zeros
 ) -> torch.Tensor:
     config = runner.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -93,7 +94,9 @@ def new_buffer(
     return buffer.to(runner.model.dtype)
 
 
-def decode(buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...], prompt: int = 0) -> list[StepInput]:
+def step_inputs(
+    buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...], prompt: int = 0
+) -> list[StepInput]:
     """Return decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each;
     with `prompt`, that many new tokens of each instead, at the same positions every step."""
     held = shared[0].shape[3] if shared else 0
@@ -110,7 +113,7 @@ def profiled(
     most time of them, by their own time (not counting the operators they called): milliseconds and calls a step."""
     with profile(activities=[ProfilerActivity.CPU]) as recorded:
         for at in range(after, after + PROFILED):
-            runner.run(decode(buffers, at, shared, prompt))
+            runner.run(step_inputs(buffers, at, shared, prompt))
     events = sorted(recorded.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
     return [
         [event.key[:60], f"{event.self_cpu_time_total / PROFILED / 1e3:.2f} ms", f"{event.count / PROFILED:g}"]
@@ -132,8 +135,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.python_linear and dtype != torch.float32:
         parser.error("--python-linear times float32's kernel: leave out --dtype bfloat16")
-    if not 0 <= args.prompt <= 512 - CONTEXT:  # each stream's buffer holds 512 positions
-        parser.error(f"--prompt takes 0 to {512 - CONTEXT} tokens")
+    if not 0 <= args.prompt <= POSITIONS - CONTEXT:
+        parser.error(f"--prompt takes 0 to {POSITIONS - CONTEXT} tokens")
     if not packed_linear.packs(dtype) or (dtype == torch.float32 and not packed_linear._kernel()):
         print(f"{args.dtype} weights are not prepacked on this CPU, or the kernel does not build here")
         return
@@ -155,8 +158,9 @@ def main() -> None:
         if against:
             ways["attention from DIR"] = (loaded["this build"][1], against)
         print(f"SmolLM2-135M-Instruct, {args.dtype} prepacked, compiled, {torch.get_num_threads()} threads")
-        print(f"each stream on a shared prefix of {args.prefix} positions" if args.prefix else "")
-        print(f"each step {args.prompt} new tokens of every stream\n" if args.prompt else "")
+        said = [f"each stream on a shared prefix of {args.prefix} positions"] if args.prefix else []
+        said += [f"each step {args.prompt} new tokens of every stream"] if args.prompt else []
+        print("".join(f"{line}\n" for line in said))
         first, p = ways["this build"][0], args.prefix
         shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
         ours = cpu_attention._library
@@ -172,7 +176,7 @@ def main() -> None:
                     runner, kernels = ways[name]
                     # the kernel a step is laid out with (`cpu_attention.StepLayout` asks `_library` each step)
                     cpu_attention._library = ours if kernels is None else (lambda _dtype, k=kernels: k)
-                    inputs = decode(buffers[name], at, shared, args.prompt)  # made before the clock, as the step's
+                    inputs = step_inputs(buffers[name], at, shared, args.prompt)  # made before the clock, as the step's
                     start = time.perf_counter()
                     runner.run(inputs)
                     if at >= 10:

@@ -375,6 +375,32 @@ static void outputs_few(scratch *w, int64_t tiles, int64_t d, ahead_of *ahead) {
     }
 }
 
+/* attend_few's exponentials of a tile of 16 rows (its scores a column of `across`, a key a row), 2^(score x factor +
+   shift), as bfloat16 probabilities in the rows the products with the values take; returns each row's sum. */
+static inline __m512 few_exponentials(scratch *w, const float *column, int64_t across, int whole, __m512i visible,
+                                      __m512 factor, __m512 shift, int64_t t, int64_t blocks, ahead_of *ahead) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        fetch_some(ahead);
+        __m512i p[16];
+        for (int64_t i = 0; i < 16; i++) {
+            __m512 e[2];
+            for (int u = 0; u < 2; u++) {
+                const int64_t j = b * 32 + 2 * i + u;
+                e[u] = exp2_bf16_512(_mm512_fmadd_ps(_mm512_load_ps(column + j * across), factor, shift));
+                if (!whole) e[u] = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j)), e[u]);
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
+            p[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        }
+        transpose16(p);
+        for (int64_t i = 0; i < 16; i++) _mm512_store_si512(w->probabilities + (t * 16 + i) * KEYS + b * 32, p[i]);
+    }
+    return total;
+}
+
 /* attend_block for a whole run of KEYS keys and at most ROWS rows (a decode step's: 3 a stream for SmolLM2), its keys
    unpacked. The scores come transposed, a key a row: the keys are the products' first operand, 16 keys of 32 columns
    a tile read where they are (rows d apart), and the block's queries are packed instead, once a block. The softmax
@@ -383,9 +409,13 @@ static void outputs_few(scratch *w, int64_t tiles, int64_t d, ahead_of *ahead) {
    layers over a 4k prefix (attention_bench.py's shapes, 2 cores with AMX, the builds in turn in one process, two
    runs): one stream 5.41 and 6.27 ms against 6.12 and 6.72 with the keys packed, 8 streams 7.31 and 7.34 against 7.74
    and 7.63, 16 streams 8.02 and 9.28 against 8.91 and 10.60. Fewer keys (a run's last) stay packed: a request's own 40
-   keys for 3 rows took longer in place, the softmax then running down 16 rows for 3. */
+   keys for 3 rows took longer in place, the softmax then running down 16 rows for 3. A chunk after a row's first takes
+   the max the row holds (as attend_block does): the same script, 21 rounds, 1, 8 and 16 streams over the 4k prefix
+   3.52, 4.37 and 5.70 ms against 3.65, 4.58 and 5.96 finding each chunk's max, 8 and 16 over 7k 8.08 and 9.98 against
+   8.50 and 10.38 (a second run, slower throughout: 3.84, 4.82 and 6.23 against 3.83, 4.95 and 6.46; 8.54 and 10.83
+   against 8.86 and 11.09). */
 static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, int64_t d, float scale, scratch *w,
-                       ahead_of *ahead) {
+                       ahead_of *ahead, const float *held) {
     const uint16_t *keys = w->in_place;
     const int64_t n = KEYS, slabs = d / 32, tiles = (count + 15) / 16, blocks = KEYS / 32;
     for (int64_t t = 0; t < tiles; t++)
@@ -423,8 +453,6 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
         if (tiles > 3) _tile_stored(3, scores + g * across + 48, across * 4);
     }
     const float log2_scale = scale * 1.44269504088896341f;
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t t = 0; t < tiles; t++) {
         int32_t seen[16] __attribute__((aligned(64)));  /* the keys each row sees in the chunk */
         int64_t most_seen = 0;
@@ -440,43 +468,46 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
         }
         const __m512i visible = _mm512_load_si512(seen);
         const float *column = scores + t * 16;
-        __m512 tops[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
-                          _mm512_set1_ps(-INFINITY)};
         const int whole = x->causal_from < 0;  /* every row sees every key */
-        if (whole)
-            for (int64_t j = 0; j < n; j += 4)
-                for (int u = 0; u < 4; u++) tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
-        else
-            for (int64_t j = 0; j < most_seen; j++) {
-                const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
-                tops[j & 3] = _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
-            }
-        const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
-        const __mmask16 any = _mm512_cmpgt_epi32_mask(visible, _mm512_setzero_si512());
+        const int64_t rows = count - t * 16 < 16 ? count - t * 16 : 16;
+        const __mmask16 valid = (__mmask16)((1u << rows) - 1);
         const __m512 factor = _mm512_set1_ps(log2_scale);
-        const __m512 shift = _mm512_maskz_mul_ps(any, top, _mm512_set1_ps(-log2_scale));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            fetch_some(ahead);
-            __m512i p[16];
-            for (int64_t i = 0; i < 16; i++) {
-                __m512 e[2];
-                for (int u = 0; u < 2; u++) {
-                    const int64_t j = b * 32 + 2 * i + u;
-                    e[u] = exp2_bf16_512(_mm512_fmadd_ps(_mm512_load_ps(column + j * across), factor, shift));
-                    if (!whole) e[u] = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j)), e[u]);
+        /* As in attend_block, rows that have all seen keys in the chunks before take the max they hold (scaled) for
+           this chunk's exponentials instead of finding the chunk's own, unless a sum then passes 2^64 (or
+           overflows): one pass over the scores fewer. */
+        __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+        int from_held = held != NULL;
+        if (from_held) {
+            top = _mm512_maskz_loadu_ps(valid, held + t * 16);
+            from_held = !_mm512_mask_cmp_ps_mask(valid, top, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        }
+        if (from_held) {
+            total = few_exponentials(w, column, across, whole, visible, factor,
+                                     _mm512_mul_ps(top, _mm512_set1_ps(-1.44269504088896341f)), t, blocks, ahead);
+            from_held = !_mm512_mask_cmp_ps_mask(valid, total, _mm512_set1_ps(0x1p64f), _CMP_NLT_UQ);
+        }
+        if (!from_held) {
+            __m512 tops[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                              _mm512_set1_ps(-INFINITY)};
+            if (whole)
+                for (int64_t j = 0; j < n; j += 4)
+                    for (int u = 0; u < 4; u++) tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
+            else
+                for (int64_t j = 0; j < most_seen; j++) {
+                    const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
+                    tops[j & 3] = _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
                 }
-                total = _mm512_add_ps(total, _mm512_add_ps(e[0], e[1]));
-                p[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-            }
-            transpose16(p);
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(w->probabilities + (t * 16 + i) * KEYS + b * 32, p[i]);
+            const __m512 most = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+            const __mmask16 any = _mm512_cmpgt_epi32_mask(visible, _mm512_setzero_si512());
+            top = _mm512_mul_ps(most, _mm512_set1_ps(scale));
+            total = few_exponentials(w, column, across, whole, visible, factor,
+                                     _mm512_maskz_mul_ps(any, most, _mm512_set1_ps(-log2_scale)), t, blocks, ahead);
         }
         float tops_out[16] __attribute__((aligned(64))), totals[16] __attribute__((aligned(64)));
         _mm512_store_ps(tops_out, top);
         _mm512_store_ps(totals, total);
-        for (int64_t i = 0; i < 16 && t * 16 + i < count; i++) {
-            w->max[t * 16 + i] = seen[i] ? tops_out[i] * scale : -INFINITY;
+        for (int64_t i = 0; i < rows; i++) {
+            w->max[t * 16 + i] = seen[i] ? tops_out[i] : -INFINITY;
             w->sum[t * 16 + i] = seen[i] ? totals[i] : 0.0f;
         }
     }
@@ -541,7 +572,7 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
     memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
 #if AMX
     if (w->in_place) {
-        attend_few(x, r0, count, t0, d, scale, w, ahead);
+        attend_few(x, r0, count, t0, d, scale, w, ahead, held);
         return;
     }
 #endif

@@ -110,19 +110,21 @@ def test_new_tokens_see_the_keys_before_them_and_their_own_up_to_themselves(
     torch.testing.assert_close(out.float(), expected, **close(dtype))
 
 
+@pytest.mark.parametrize("count", [40, 8], ids=["80 rows a KV head", "16 rows a KV head"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
-def test_a_score_far_above_the_keys_before_it_is_attended_exactly(dtype: torch.dtype) -> None:
-    # 80 rows a KV head, past a block of 64: their softmax takes each chunk after a row's first against the max the row
-    # has seen, unless a score rises far past it. Row 0 of head 0 meets a key thousands of times its other scores'
-    # size (its exponential against the old max would overflow), row 1 of head 1 one that rises past it by a few
-    # dozen (exponentials far above 1), each in a chunk after the first of its run of keys.
+def test_a_score_far_above_the_keys_before_it_is_attended_exactly(dtype: torch.dtype, count: int) -> None:
+    # A row's softmax takes each chunk after its first against the max the row has seen, unless a score rises far past
+    # it: for 80 rows a KV head (past a block of 64) and for 16 (a decode step's few, whose whole runs of 256 keys are
+    # read in place on AMX). Row 0 of head 0 meets a key thousands of times its other scores' size (its exponential
+    # against the old max would overflow), row 1 of head 1 one that rises past it by a few dozen (exponentials far
+    # above 1), each in a chunk after the first of its run of keys.
     torch.manual_seed(0)
-    queries = torch.randn(1, 2, 40, 64).to(dtype)
+    queries = torch.randn(1, 2, count, 64).to(dtype)
     kv = torch.randn(2, 1, 2000, 64).to(dtype)
-    for position in (300, 1100, 1900):
+    for position in (300, 600, 1100, 1900):
         kv[0, 0, position] = queries[0, 0, 0] * 20
         kv[0, 0, position + 50] = queries[0, 1, 1] * 1.5
-    out, lse = torch.empty(1, 2, 40, 64).to(dtype), torch.full((1, 2, 40), float("-inf"))
+    out, lse = torch.empty(1, 2, count, 64).to(dtype), torch.full((1, 2, count), float("-inf"))
     cpu_attention.attend_into(queries, kv, 0.125, out, lse)
     expected, expected_lse = reference(queries, kv[0], kv[1], 0.125)
     # Log-sum-exps up to about 180, where float32's values are 1.5e-5 apart.

@@ -49,9 +49,9 @@ static inline __m512 exp2_512(__m512 t) {  /* 2^t to float32 precision for finit
 /* 2^t for probabilities that are rounded to bfloat16 next (a relative step of 3.9e-3): a quartic, within 2.7e-6 of it
    (relative, for any t: 0 below -150, infinity from 128), is enough, and 2 products fewer than exp2_512's. Measured on
    2 cores with AMX, SmolLM2's 30 layers over a 4k prefix (attention_bench.py's cases): 432 prompt rows 150 ms against
-   156, 16 decoding streams 12.4 against 12.6 to 13.0. Its argument split as t - floor(t) in one instruction (`vreduceps`, and `vscalefps` takes
-   floor(t) itself) instead of rounding t and subtracting: 432 prompt rows 114 to 118 ms against 121 (alternating
-   builds, the Xeon). */
+   156, 16 decoding streams 12.4 against 12.6 to 13.0. Its argument split as t - floor(t) in one instruction
+   (`vreduceps`, and `vscalefps` takes floor(t) itself) instead of rounding t and subtracting: 432 prompt rows 114 to
+   118 ms against 121 (alternating builds, the Xeon). */
 static inline __m512 exp2_bf16_512(__m512 t) {
     const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  /* t - floor(t), in [0, 1) */
     __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534149f), f, _mm512_set1_ps(0.052011497f));
@@ -62,12 +62,12 @@ static inline __m512 exp2_bf16_512(__m512 t) {
 }
 
 /* A row of the block's scores: a line longer than KEYS, so that the 16 rows a tile's store writes fall in 16 sets of
-   the nearest cache. KEYS apart they fell in 4, and the four tiles a step of scores() stores (16 rows apart) in the same
-   4, each store then waiting on the lines written back before it: SmolLM2's 30 layers over a 4k prefix (2 cores with
-   AMX, attention_bench.py's shapes, the builds in turn in one process) took 49.3 ms for 224 prompt rows against 52.6,
-   the scores' part of it 27 % less (timed with the TSC in a /tmp build). First in the scratch: where it was, after the
-   queries, the fields after it moved by 4 KB and the kernel's calls for 16 decoding streams took 1 to 4 % longer in
-   some runs (in others no longer); last, every call took 5 to 25 % longer. */
+   the nearest cache. KEYS apart they fell in 4, and the four tiles a step of scores() stores (16 rows apart) in the
+   same 4, each store then waiting on the lines written back before it: SmolLM2's 30 layers over a 4k prefix (2 cores
+   with AMX, attention_bench.py's shapes, the builds in turn in one process) took 49.3 ms for 224 prompt rows against
+   52.6, the scores' part of it 27 % less (timed with the TSC in a /tmp build). First in the scratch: where it was,
+   after the queries, the fields after it moved by 4 KB and the kernel's calls for 16 decoding streams took 1 to 4 %
+   longer in some runs (in others no longer); last, every call took 5 to 25 % longer. */
 #define SCORE_ROW (KEYS + 16)
 
 typedef struct {
@@ -491,11 +491,13 @@ static void attend_few(const rows_of *x, int64_t r0, int64_t count, int64_t t0, 
                               _mm512_set1_ps(-INFINITY)};
             if (whole)
                 for (int64_t j = 0; j < n; j += 4)
-                    for (int u = 0; u < 4; u++) tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
+                    for (int u = 0; u < 4; u++)
+                        tops[u] = _mm512_max_ps(tops[u], _mm512_load_ps(column + (j + u) * across));
             else
                 for (int64_t j = 0; j < most_seen; j++) {
                     const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32((int)j));
-                    tops[j & 3] = _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
+                    tops[j & 3] =
+                        _mm512_mask_max_ps(tops[j & 3], sees, tops[j & 3], _mm512_load_ps(column + j * across));
                 }
             const __m512 most = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
             const __mmask16 any = _mm512_cmpgt_epi32_mask(visible, _mm512_setzero_si512());

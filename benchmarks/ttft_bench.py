@@ -11,8 +11,12 @@ prefix length it measures, in one run:
   round trip and kept in the host tier as the engine keeps them; the table shows the round trips each fetch made
   (the tier's `round_trips`: the chain streams, each block asked for as the one before it arrives, so the fetch
   waits for Redis once);
-- ideal: the prefix's K and V kept in a KV buffer and the question computed after it in a packed step, no store and
-  no admission: the floor for any cache.
+- ideal: the same request with the prefix's blocks already in its buffer (fetched from the host tier before the clock
+  starts): only the question computed, the floor for any cache.
+
+As a server does, it runs torch on one CPU thread in every thread but the model's (see `prefixgate/threads.py`).
+Before it did, its own puts and fetches gave the process a second OpenMP pool, and the model's steps took about twice
+as long: at 4k on 2 cores of the Xeon, the ideal 59 ms against 25, warm from the host tier 76 against 45.
 
 Then, at `--offset-length` tokens (4096), prefixes that end at each of `--offsets` tokens into a block: an earlier
 request (the prefix and another question) leaves its blocks in a host-tier store as the engine files them, whole
@@ -30,12 +34,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from prefixgate.backends import HFBackend, KVReservation, SamplingParams
-from prefixgate.backends.model_runner import ModelRunner, StepInput
 from prefixgate.store import (
     Block,
     BlockKey,
@@ -48,6 +52,7 @@ from prefixgate.store import (
     chain_keys,
     tail_key,
 )
+from prefixgate.threads import use_threads
 
 QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
 OTHER_QUESTION = "Name the node that served the most requests per second in the report above, and say when it did."
@@ -118,7 +123,6 @@ async def measure(
     namespace = Namespace(backend.fingerprint, backend.tokenizer_hash, layout.dtype_name, layout.shape)
     size = geometry.block_size
     count = length // size
-    ideal = IdealCache(backend, prefix, len(question))
     tiers = (*TIERS, "remote") if remote is not None else TIERS
     samples: dict[str, list[float]] = {name: [] for name in (*tiers, "ideal", "round trips")}
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
@@ -150,7 +154,9 @@ async def measure(
                 if tier == "remote":
                     samples["round trips"].append(_round_trips(store) - trips)
                     store.flush("host")  # promoted by the fetch: the next round reads Redis again
-            samples["ideal"].append(await asyncio.to_thread(ideal.first_token_seconds, question))
+            reservation = await backend.reserve(len(tokens), FIRST_TOKEN.max_tokens)
+            hit = await asyncio.to_thread(stores["host"].fetch, namespace, tokens, reservation.buffer)
+            samples["ideal"].append(await first_token_seconds(backend, tokens, [b.kv for b in hit.blocks], reservation))
     times.update({name: statistics.median(values) for name, values in samples.items() if values})
     if remote is not None:
         stores["remote"].flush("remote")
@@ -223,29 +229,6 @@ def _round_trips(store: TieredStore) -> int:
     return stats.round_trips if stats is not None else 0
 
 
-class IdealCache:
-    """The prefix's K and V, computed once into a KV buffer and reused as they are: no store, no admission."""
-
-    def __init__(self, backend: HFBackend, prefix: Sequence[int], question_tokens: int) -> None:
-        self.runner = ModelRunner(backend._model)  # the backend packed the model: its runner's steps are packed
-        self.prefix = len(prefix)
-        reservation = KVReservation(
-            backend._buffers, len(prefix) + question_tokens, len(prefix) + question_tokens, lambda: None
-        )
-        assert reservation.buffer is not None
-        self.buffer = reservation.buffer  # buffer: [layers, 2, kv_heads, capacity, head_dim]
-        with torch.inference_mode():
-            for begin in range(0, len(prefix), 512):
-                self.runner.run([StepInput(prefix[begin : begin + 512], self.buffer, begin)])
-
-    def first_token_seconds(self, question: Sequence[int]) -> float:
-        """Compute the question after the prefix and pick the first token; its K and V are overwritten next time."""
-        with torch.inference_mode():
-            start = time.perf_counter()
-            int(self.runner.run([StepInput(question, self.buffer, self.prefix)])[0].argmax())
-            return time.perf_counter() - start
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8128])
@@ -260,11 +243,16 @@ async def main() -> None:
     backend = await asyncio.to_thread(HFBackend.load, "smollm2-135m")
     if backend.compiling is not None:
         await asyncio.to_thread(backend.compiling.join)  # the steps as served once compiled
+    # From here this thread (which puts blocks in stores) and the loop's (fetches) run torch on one CPU thread, as a
+    # server's do: the model's thread keeps the only OpenMP pool.
+    threads = torch.get_num_threads()  # the model thread's
+    use_threads(1)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(initializer=use_threads, initargs=(1,)))
     try:
         question, other = ((backend.render_text(text) * 2)[:32] for text in (QUESTION, OTHER_QUESTION))
         await first_token_seconds(backend, backend.render_text("warm up the kernels"), [])
         print(
-            f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {torch.get_num_threads()} threads, "
+            f"SmolLM2-135M-Instruct, {backend.geometry.dtype}, {backend.device}, {threads} threads, "
             f"steps {backend.steps}; "
             f"blocks of {backend.geometry.block_size} tokens; prompt = prefix + 32-token question; "
             f"median of {args.repeats} warm runs"

@@ -72,8 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads\n")
-    weights = torch.ones(WEIGHT_BYTES // 4)
-    before = weights.sum if args.from_memory else lambda: None
+    before = torch.ones(WEIGHT_BYTES // 4).sum if args.from_memory else lambda: None  # reads the weights' bytes
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         kernel = cpu_attention.prepare(dtype)

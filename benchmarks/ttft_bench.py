@@ -245,7 +245,7 @@ async def main() -> None:
         await asyncio.to_thread(backend.compiling.join)  # the steps as served once compiled
     # From here this thread (which puts blocks in stores) and the loop's (fetches) run torch on one CPU thread, as a
     # server's do: the model's thread keeps the only OpenMP pool.
-    threads = torch.get_num_threads()  # the model thread's
+    threads = torch.get_num_threads()  # the default count, which the model took as it loaded
     use_threads(1)
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(initializer=use_threads, initargs=(1,)))
     try:

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -46,7 +45,7 @@ from prefixgate.errors import (
     RequestError,
     UnsupportedModelError,
 )
-from prefixgate.threads import use_threads
+from prefixgate.threads import torch_executor, use_threads
 
 _log = logging.getLogger(__name__)
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
@@ -220,8 +219,7 @@ class HFBackend:
         It loads on every core, in a thread of its own that ends when it is done: that thread's OpenMP pool ends with
         it, and the calling thread makes none (see prefixgate.threads).
         """
-        threads = torch.get_num_threads()
-        with ThreadPoolExecutor(1, "prefixgate-load", initializer=use_threads, initargs=(threads,)) as loader:
+        with torch_executor("prefixgate-load", threads=torch.get_num_threads(), workers=1) as loader:
             return loader.submit(
                 cls._load, model, dtype, device, model_cache_dir, attn_implementation, options
             ).result()

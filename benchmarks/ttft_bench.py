@@ -34,7 +34,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ from prefixgate.store import (
     chain_keys,
     tail_key,
 )
-from prefixgate.threads import use_threads
+from prefixgate.threads import torch_executor, use_threads
 
 QUESTION = "Question: according to the report above, which of the listed measures mattered most, and why? Answer:"
 OTHER_QUESTION = "Name the node that served the most requests per second in the report above, and say when it did."
@@ -247,7 +246,7 @@ async def main() -> None:
     # server's do: the model's thread keeps the only OpenMP pool.
     threads = torch.get_num_threads()  # the default count, which the model took as it loaded
     use_threads(1)
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(initializer=use_threads, initargs=(1,)))
+    asyncio.get_running_loop().set_default_executor(torch_executor("ttft-io"))
     try:
         question, other = ((backend.render_text(text) * 2)[:32] for text in (QUESTION, OTHER_QUESTION))
         await first_token_seconds(backend, backend.render_text("warm up the kernels"), [])

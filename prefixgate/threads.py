@@ -11,6 +11,8 @@ makes no pool (their copies are memory-bound anyway).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 
@@ -20,3 +22,9 @@ def use_threads(count: int) -> None:
     # before it: query first, then set.
     torch.get_num_threads()
     torch.set_num_threads(count)
+
+
+def torch_executor(name: str, *, threads: int = 1, workers: int | None = None) -> ThreadPoolExecutor:
+    """Return a pool of `workers` threads (the standard library's default count when None), named after `name`, each
+    running torch's CPU kernels on `threads` threads: one, unless it is the model's."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=use_threads, initargs=(threads,))

@@ -9,7 +9,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from prefixgate.proxy.statistics import EngineCollector
 from prefixgate.proxy.upstream_engine import UpstreamEngine, UpstreamGeneration
 from prefixgate.store import BlockLayout, RemoteConfig, StoreConfig, TierConfig, TieredStore
 from prefixgate.store.keys import load_or_create_secret
-from prefixgate.threads import use_threads
+from prefixgate.threads import torch_executor
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefixgate.requests")  # one line per request; its fields ride on the record
@@ -149,8 +148,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
         app[METRICS] = _metrics_registry(app[ENGINE], settings)
         # The model is loaded: from now on the loop's worker threads, which prepare prompts and copy blocks, run
         # torch on one CPU thread and make no OpenMP pool beside the model thread's (see prefixgate.threads).
-        executor = ThreadPoolExecutor(thread_name_prefix="prefixgate-io", initializer=use_threads, initargs=(1,))
-        asyncio.get_running_loop().set_default_executor(executor)
+        asyncio.get_running_loop().set_default_executor(torch_executor("prefixgate-io"))
         yield
         await app[ENGINE].close()
 

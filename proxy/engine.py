@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +44,7 @@ from prefixgate.store import (
     shared_prefix,
     tail_key,
 )
-from prefixgate.threads import use_threads
+from prefixgate.threads import torch_executor
 
 _log = logging.getLogger(__name__)
 
@@ -211,9 +210,7 @@ class Engine:
         self._filing: set[BlockKey] = set()
         # One thread files blocks into the store, in the order the model completes them, off the model's thread.
         # Its copies run on one CPU thread, so it makes no OpenMP pool beside the model's (see prefixgate.threads).
-        self._filer = ThreadPoolExecutor(
-            1, thread_name_prefix="prefixgate-store", initializer=use_threads, initargs=(1,)
-        )
+        self._filer = torch_executor("prefixgate-store", workers=1)
 
     @property
     def model_id(self) -> str:

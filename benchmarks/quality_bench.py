@@ -1,8 +1,8 @@
 """What bfloat16 changes in SmolLM2's answers: greedy tokens and logits against float32, on the server's own steps.
 
-Run by hand: `.venv/bin/python benchmarks/quality_bench.py` (about fifteen minutes on 2 cores; `--short 10 --long 1`
-makes it a few). It loads SmolLM2 twice, in float32 and in bfloat16, and runs each prompt through the packed steps
-the server runs (chunked prefill into a KV buffer, then one decode step per token):
+Run by hand: `.venv/bin/python benchmarks/quality_bench.py` (about six minutes on 2 cores of an Intel Xeon with AMX;
+`--short 10 --long 1` makes it a few). It loads SmolLM2 twice, in float32 and in bfloat16, and runs each prompt
+through the packed steps the server runs (chunked prefill into a KV buffer, then one decode step per token):
 
 - float32 answers greedily (`--tokens` tokens, 64): the reference;
 - bfloat16 is fed the same prompt and then the reference answer token by token (teacher forcing). At each step it

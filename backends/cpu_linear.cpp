@@ -23,9 +23,9 @@
    bytes, one AVX-512 vector), which AVX-512 BF16's dot product (`vdpbf16ps`) multiplies by a row's two values of x
    and adds to 16 float32 sums at once; the rest runs as for floats, and each output is rounded to bfloat16 once, at
    the end (to nearest, ties to even, as torch rounds). They take at most PAIR_ROWS rows (a decode step of a few
-   streams): more go to oneDNN's product on its own layout (`mkldnn::_linear_pointwise`, called here as
-   packed_linear.py's Python operator calls it where the kernel does not take a layer), whose matrix units are the
-   faster there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
+   streams with AMX, of up to 64 without): more go to oneDNN's product on its own layout (`mkldnn::_linear_pointwise`,
+   called here as packed_linear.py's Python operator calls it where the kernel does not take a layer), the faster
+   there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
    (bfloat16 code panels): each pair row is rebuilt as float32 and rounded to bfloat16 in registers, which is the pair
    panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. Built with AMX,
    the bfloat16 code panels take AMX_FROM to AMX_MANY rows on its tiles instead (amx_coded_linear up to AMX_ROWS,
@@ -47,11 +47,17 @@
 #define CHUNK 128       /* rows of a panel (values of k) held while every row of x meets them */
 #define GROUP 64        /* rows of x a panel meets in one pass: its partial outputs are 64 by 16 floats */
 #define BLOCK 32        /* values of k sharing a code's d and o */
-/* The most rows a bfloat16 product takes: oneDNN's on its own layout is about as fast at 8 rows (SmolLM2's 211 layers
-   on 2 cores of a Xeon: 26.6 ms against 26.9 in a busy hour, 16.3 against 17.9 in an idle one; one row 17.9 against
-   27.4, 11.6 against 17.4) and the faster past them (12 rows 30.8 against 28.4), its matrix units working on many rows
-   at once. */
+/* The most rows a bfloat16 product takes on pair panels; oneDNN's product on its own layout takes more. Built with AMX,
+   oneDNN's products run on its tiles and are about as fast at 8 rows (SmolLM2's 211 layers on 2 cores of a Xeon with
+   AMX: 26.6 ms against 26.9 in a busy hour, 16.3 against 17.9 in an idle one) and the faster past them (12 rows 30.8
+   against 28.4). Without AMX they run on AVX-512 BF16's dot products, as the pair panels do, and the pair panels are
+   the faster for a whole pass of GROUP rows: on 2 cores of a Xeon without AMX (the two in turn, linear_bench.py's
+   layers) they took 0.58 of oneDNN's time for 8 rows, 0.75 for 16, 0.83 for 32, 0.90 for 64, and 0.99 for 128. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAIR_ROWS 8
+#else
+#define PAIR_ROWS GROUP
+#endif
 /* The most rows a bfloat16 code panel takes, where the weight has one: rebuilding each pair of weights as the rows
    meet it reads fewer bytes but costs instructions, so it is the faster for few rows and the pair panels for more
    (SmolLM2's 211 layers on 2 cores of the Xeon, in turn: one row 8.9 ms against 12.2, four 11.6 against 14.5, five

@@ -30,14 +30,16 @@ dtype").
 
 A bfloat16 weight keeps oneDNN's layout, and where the kernel builds with AVX-512 BF16 it is also laid out for the
 kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded once): oneDNN's kernels lose to it on the
-few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon: 11.6 ms for one row against 17.4 in an idle
-hour, 17.9 against 27.4 in a busy one) and win past 8 rows, so the operator gives it up to 8 rows and calls oneDNN's
-product on its layout, from C++, for more. The copy doubles the linear weights' memory (SmolLM2: 270 MB more), so it
-is made only where it takes at most an eighth of the memory free at load. A bfloat16 layer rounded from a float32 weight
+few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon with AMX: 11.6 ms for one row against 17.4 in an
+idle hour, 17.9 against 27.4 in a busy one) and, on AMX's tiles, win past 8 rows; without AMX they lose up to a whole
+pass of 64 rows (on a Xeon without it, 0.58 of oneDNN's time for 8 rows, 0.75 for 16, 0.90 for 64, about the same for
+128). So the operator gives it up to `pair_rows()` rows (8 with AMX, 64 without) and calls oneDNN's product on its
+layout, from C++, for more. The copy doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only
+where it takes at most an eighth of the memory free at load. A bfloat16 layer rounded from a float32 weight
 that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them; `_float32_sources`) is also
 laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and rounds them to bfloat16 as
 torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes (SmolLM2: 115 MB against 270).
-That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels for 6 to 8
+That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels from 6
 (rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
 Where the CPU has AMX, the kernel builds with it and the codes take 2 to 512 rows on its tiles (each 32 values of k of
 16 outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
@@ -111,10 +113,10 @@ class PackedLinear(torch.nn.Module):
                 self.number = next(_NUMBERS)
                 _LAYERS[self.number] = self
                 if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
-                    # and the kernel's layouts: pair panels for up to 8 rows, and before them its codes in pair order
-                    # for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++ object,
-                    # which `packed` keeps) takes more. Where the codes take 2 to 512 rows on AMX's tiles, no count of
-                    # rows reads pair panels, and none are made.
+                    # and the kernel's layouts: pair panels for up to `pair_rows()` rows, and before them its codes in
+                    # pair order for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++
+                    # object, which `packed` keeps) takes more. Where the codes take 2 to 512 rows on AMX's tiles, no
+                    # count of rows reads pair panels, and none are made.
                     layouts: dict[str, torch.Tensor] = {}
                     bits = 0
                     if found is not None and torch.equal(_rebuilt(*found).to(torch.bfloat16), weight):
@@ -315,10 +317,11 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
     paired = [layer for layer in kept if "pairs" in layer.layout]
     if paired:
         _log.info(
-            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes decode "
-            "steps of up to 8 rows (%.0f MB more)",
+            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes steps "
+            "of up to %d rows (%.0f MB more)",
             len(paired),
             len(kept),
+            pair_rows(),
             sum(layer.layout["pairs"].nbytes for layer in paired) / 1e6,
         )
     codes = [layer for layer in kept if "codes" in layer.layout]
@@ -487,9 +490,15 @@ def _flags() -> tuple[str, ...]:
 
 
 def bfloat16_products() -> bool:
-    """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to 8 rows, beside
-    oneDNN's layout)."""
+    """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to `pair_rows()`
+    rows, beside oneDNN's layout)."""
     return _BF16_FLAGS[-1] in _flags() and _kernel()  # no build where it could not take them
+
+
+def pair_rows() -> int:
+    """Return the most rows a bfloat16 product takes on the kernel's pair panels, oneDNN's taking more (PAIR_ROWS in
+    cpu_linear.cpp): 8 where the kernel is built with AMX, whose tiles oneDNN's products then run on, else 64."""
+    return 8 if amx_products() else 64
 
 
 def amx_products() -> bool:

@@ -11,11 +11,11 @@ taking turns, and what reading the float weights once takes (a sum over a tensor
 not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
 
 Where the kernel takes bfloat16 (AVX-512 BF16), a second table: the same layers in bfloat16 as a server packs them (the
-kernel's code panels, read from the float32 weights in the model's folder, for up to 5 rows, its pair panels for up to
-8, oneDNN's layout past them, called from C++; where the CPU has AMX, the codes for up to 512 rows, 2 or more on its
-tiles), as it packs a bfloat16 layer that is not codes (pair panels for up to 8 rows, oneDNN's past them), and
-oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the kernel does not
-take bfloat16 run), and what reading the bfloat16 weights once takes.
+kernel's code panels, read from the float32 weights in the model's folder, for up to 5 rows, its pair panels past them
+up to 64 rows, oneDNN's layout past those, called from C++; where the CPU has AMX, the codes for up to 512 rows, 2 or
+more on its tiles), as it packs a bfloat16 layer that is not codes (pair panels for up to 64 rows, 8 with AMX, oneDNN's
+past them), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the
+kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def main() -> None:
 
 
 def bfloat16() -> None:
-    """Print the bfloat16 table: the layers as served (the kernel's code panels up to 5 rows, its pair panels up to 8,
-    oneDNN's layout past them; with AMX, the codes up to 512 rows), with pair panels alone (up to 8 rows, oneDNN's past
-    them), and oneDNN's layout alone."""
+    """Print the bfloat16 table: the layers as served (the kernel's code panels up to 5 rows, its pair panels up to 64,
+    oneDNN's layout past them; with AMX, the codes up to 512 rows), with pair panels alone (up to 64 rows, 8 with AMX,
+    oneDNN's past them), and oneDNN's layout alone."""
     backend = HFBackend.load("smollm2-135m", dtype="bfloat16", prepack_weights=False, compile_steps=False)
     model = backend._runner.model
     plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -130,8 +130,8 @@ def bfloat16() -> None:
         "rows",
         "as served: codes to 512 rows (AMX's tiles from 2), oneDNN past"
         if packed_linear.amx_products()
-        else "as served: codes to 5 rows, pairs to 8, oneDNN past",
-        "pairs alone: to 8 rows, oneDNN past",
+        else f"as served: codes to 5 rows, pairs to {packed_linear.pair_rows()}, oneDNN past",
+        f"pairs alone: to {packed_linear.pair_rows()} rows, oneDNN past",
         "oneDNN's layout (Python operator)",
     ]
     table([*columns, "reading the weights"], rows)

@@ -97,8 +97,9 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
 def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_and_give_the_eager_logits(
     make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
 ) -> None:
-    # Up to 8 rows a product runs on the kernel's pair panels, more on oneDNN's layout called from the same C++
-    # operator: a compiled step calls it either way, with no branch on the row count in the graph.
+    # Up to `pair_rows()` rows a product runs on the kernel's pair panels (8 with AMX, 64 without), more on oneDNN's
+    # layout called from the same C++ operator: a compiled step calls it either way, with no branch on the row count in
+    # the graph.
     model = as_blocks(make_llama(tokenizer), torch.bfloat16)
     backend = make_backend(model, compile_steps=True, prepack_weights=True)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -108,20 +109,22 @@ def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_a
     assert backend.steps == "compiled"
     compiled, eager = backend._runner, ModelRunner(model)
     g = backend.geometry
-    prompt = make_prompt(40)
+    most = packed_linear.pair_rows()
+    prompt = make_prompt(most + 8)
     for step, onednn in (
         (lambda kv: [StepInput(prompt[:1], kv[0], 0)], False),  # one row
         (lambda kv: [StepInput(prompt[5:6], kv[i], 20 + i) for i in range(3)], False),  # three decoding streams
-        (lambda kv: [StepInput(prompt[:13], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], True),  # 14 rows
+        (lambda kv: [StepInput(prompt[:13], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], most < 14),  # 14 rows
+        (lambda kv: [StepInput(prompt[:most], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], True),  # one row more
     ):
-        buffers = [torch.randn((g.layers, 2, g.kv_heads, 40, g.head_dim), dtype=torch.bfloat16) for _ in range(3)]
+        buffers = [torch.randn((g.layers, 2, g.kv_heads, most + 8, g.head_dim), dtype=torch.bfloat16) for _ in range(3)]
         copies = [buffer.clone() for buffer in buffers]
         with torch.inference_mode(), attention_calls() as calls, profile(activities=[ProfilerActivity.CPU]) as ran:
             logits = compiled.run(step(buffers))
         assert calls == []
         counts = {event.key: event.count for event in ran.key_averages()}
         assert counts.get("prefixgate::linear_panels") == len(layers)  # every product through the operator
-        # past 8 rows, oneDNN's: every layer's but the output projection's, which takes a row per sequence
+        # past `pair_rows()` rows, oneDNN's: every layer's but the output projection's, which takes a row per sequence
         assert counts.get("mkldnn::_linear_pointwise", 0) == (len(layers) - 1 if onednn else 0)
         with torch.inference_mode():
             expected = eager.run(step(copies))

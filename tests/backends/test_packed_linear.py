@@ -226,24 +226,28 @@ def in_pairs_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @needs_bfloat16_kernel
 @pytest.mark.parametrize(("features", "bias"), [((160, 37), True), ((1536, 70), False)], ids=["160x37", "1536x70"])
-def test_a_bfloat16_layer_gives_up_to_8_rows_the_kernels_sums_and_more_onednns_product(
+def test_a_bfloat16_layer_gives_up_to_pair_rows_the_kernels_sums_and_more_onednns_product(
     features: tuple[int, int], bias: bool
 ) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(*features, bias=bias).to(torch.bfloat16)
     layer = PackedLinear(linear)
     assert "pairs" in layer.layout and layer.described is not None
-    x = torch.randn(40, features[0], dtype=torch.bfloat16)
-    with torch.inference_mode():
-        for rows in (1, 5, 8):  # the kernel: its own order of sums, whatever rows are beside them
+    most = packed_linear.pair_rows()  # 8 with AMX, 64 without
+    x = torch.randn(most + 32, features[0], dtype=torch.bfloat16)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as ran:
+        for rows in (1, 5, 8, most):  # the kernel: its own order of sums, whatever rows are beside them
             assert torch.equal(layer(x[:rows]), in_pairs_order(x[:rows], linear.weight, linear.bias))
-        onednn = torch.ops.prefixgate.packed_linear(x, layer.number)  # the Python operator's product on its layout
-        assert torch.equal(layer(x), onednn)
-        assert torch.equal(layer(x[:9]), torch.ops.prefixgate.packed_linear(x[:9], layer.number))
-        if features[0] == 1536:  # a long sum, which oneDNN orders otherwise: the two differ somewhere
-            assert not torch.equal(onednn, in_pairs_order(x, linear.weight, linear.bias))
-        with pytest.raises(RuntimeError, match="takes bfloat16 rows"):
-            layer(x.float())
+        for rows in (most + 1, most + 32):  # the Python operator's product on oneDNN's layout
+            assert torch.equal(layer(x[:rows]), torch.ops.prefixgate.packed_linear(x[:rows], layer.number))
+        if features[0] == 1536 and packed_linear.amx_products():  # a long sum, which oneDNN orders otherwise on the
+            onednn = torch.ops.prefixgate.packed_linear(x[:40], layer.number)  # tiles: the two differ somewhere
+            assert not torch.equal(onednn, in_pairs_order(x[:40], linear.weight, linear.bias))
+    calls = {event.key: event.count for event in ran.key_averages()}
+    assert calls["prefixgate::linear_panels"] == 6  # each of the layer's products, through the kernel's operator
+    assert calls["mkldnn::_linear_pointwise"] == 2 + 2 + (features[0] == 1536 and packed_linear.amx_products())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="takes bfloat16 rows"):
+        layer(x.float())
 
 
 on_tiles = pytest.mark.skipif(not packed_linear.amx_products(), reason="the linear kernel runs no AMX tiles here")
@@ -261,18 +265,20 @@ def test_a_bfloat16_layer_rounded_from_gguf_blocks_reads_their_codes_and_gives_t
     coded, paired = PackedLinear(linear, found=block_codes(original)), PackedLinear(linear)
     assert {"codes", "pairs"} <= coded.layout.keys() and "codes" not in paired.layout
     assert coded.layout["codes"].nbytes < paired.layout["pairs"].nbytes
-    x = torch.randn(40, 1536, dtype=torch.bfloat16)
+    most = packed_linear.pair_rows()
+    x = torch.randn(most + 32, 1536, dtype=torch.bfloat16)
     with torch.inference_mode():
-        for rows in range(1, 9):  # rebuilt pairs of weights to 5 rows, pair panels to 8: the same sums, to the bit
+        # rebuilt pairs of weights to 5 rows, pair panels to `pair_rows()`: the same sums, to the bit
+        for rows in (*range(1, 9), 16, most):
             assert torch.equal(coded(x[:rows]), paired(x[:rows]))
             assert torch.equal(coded(x[:rows]), in_pairs_order(x[:rows], linear.weight, linear.bias))
-        for rows in (9, 40):  # oneDNN's product on its layout
+        for rows in (most + 1, most + 32):  # oneDNN's product on its layout
             assert torch.equal(coded(x[:rows]), torch.ops.prefixgate.packed_linear(x[:rows], coded.number))
         with profile(activities=[ProfilerActivity.CPU]) as ran:
-            for rows in (1, 5, 6, 8, 9, 40):
+            for rows in (1, 5, 6, 8, most, most + 1, most + 32):
                 coded(x[:rows])
     calls = {event.key: event.count for event in ran.key_averages()}
-    assert calls["prefixgate::linear_panels"] == 6 and calls["mkldnn::_linear_pointwise"] == 2
+    assert calls["prefixgate::linear_panels"] == 7 and calls["mkldnn::_linear_pointwise"] == 2
 
 
 @on_tiles
@@ -324,16 +330,17 @@ def test_where_the_compiler_cannot_build_amxs_tiles_the_kernel_is_built_without_
 
 @needs_bfloat16_kernel
 @off_tiles
-def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_6_to_8() -> None:
+def test_a_bfloat16_layers_code_panels_take_up_to_5_rows_and_its_pair_panels_from_6_to_pair_rows() -> None:
     original, linear = rounded_from_blocks((37, 160), GGMLQuantizationType.Q8_0)
     layer = PackedLinear(linear, found=block_codes(original))
-    x = torch.randn(8, 160, dtype=torch.bfloat16)
+    counts = (*range(1, 9), packed_linear.pair_rows())
+    x = torch.randn(counts[-1], 160, dtype=torch.bfloat16)
     with torch.inference_mode():
-        before = [layer(x[:rows]) for rows in range(1, 9)]
+        before = [layer(x[:rows]) for rows in counts]
         layer.layout["codes"].zero_()  # each layout now gives its own answer: the codes' all the bias
         assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in range(1, 6))
         layer.layout["pairs"].zero_()
-        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in range(6, 9))
+        assert all(torch.equal(layer(x[:rows]), linear.bias.expand(rows, -1)) for rows in counts[5:])
     assert not any(torch.equal(rows, linear.bias.expand(len(rows), -1)) for rows in before)
 
 

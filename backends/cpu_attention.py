@@ -7,8 +7,9 @@ against thousands of keys. torch's CPU flash kernel packs the keys and values fo
 of queries and reads the prefix at a fraction of the memory's speed there. This kernel takes each run of 256 keys once a
 call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the CPU has AMX, the
 keys read where they lie for up to 64 rows a KV head and packed for more; packed for AVX-512 BF16 dot products
-elsewhere), or in float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call costs little
-more than reading the prefix. It merges its result into the attention the step holds for those rows, in place, so a step
+elsewhere, which on Intel's CPUs run as float32 FMAs instead, the same sums: see cpu_attention_bf16.h), or in
+float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call costs little more than reading
+the prefix. It merges its result into the attention the step holds for those rows, in place, so a step
 makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
 mask built), then one per run of shared positions, into one output, where it is returned. Those calls are a C++
 operator's, `prefixgate::attend` (`cpu_attend.cpp`), built against torch as `packed_linear`'s is, so that a compiled
@@ -49,6 +50,8 @@ _FLAGS = (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512bf16
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_bf16")
 _AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # added where the CPU has AMX: its products then run on the tiles
 _AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+# added on Intel's CPUs to the build without AMX: its products then run on float32 FMAs (see cpu_attention_bf16.h)
+_ON_FMA_FLAGS = ("-DON_FMA",)
 _F32_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-DFLOAT32")
 _F32_CPU_FLAGS = ("avx2", "fma")
 _F32_AVX512_FLAGS = ("-mavx512f",)  # a second float32 build where the CPU has AVX-512: vectors of 16 floats, not 8
@@ -399,6 +402,16 @@ def unavailable(dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
+def cpu_vendor() -> str:
+    """Return the CPU's vendor as x86 CPUs name it (`GenuineIntel`, `AuthenticAMD`), or "" where Linux does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str] | None:
     """Return the CPU's features as Linux names them in /proc/cpuinfo (`avx2`, `avx512f`, ...), or None where it does
     not say."""
@@ -413,21 +426,25 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def _builds(dtype: torch.dtype) -> list[tuple[str, ...]]:
-    """The compiler's flags of each build this CPU runs for `dtype`: for bfloat16, AVX-512 BF16 products, and where the
-    CPU has AMX, AMX tiles (used when it loads); for float32, AVX2 and FMA, and where the CPU has AVX-512, its vectors
-    (for calls of many rows, see `Kernels`)."""
+    """The compiler's flags of each build this CPU runs for `dtype`: for bfloat16, AVX-512 BF16 products (on float32
+    FMAs on Intel's CPUs, where `vdpbf16ps` is the slower), and where the CPU has AMX, AMX tiles (used when it loads);
+    for float32, AVX2 and FMA, and where the CPU has AVX-512, its vectors (for calls of many rows, see `Kernels`)."""
     if dtype == torch.float32:
         has_avx512 = all(flag in (cpu_flags() or ()) for flag in _F32_AVX512_CPU_FLAGS)
         return [_F32_FLAGS, _F32_FLAGS + _F32_AVX512_FLAGS] if has_avx512 else [_F32_FLAGS]
+    plain = _FLAGS + _ON_FMA_FLAGS if cpu_vendor() == "GenuineIntel" else _FLAGS
     has_amx = all(flag in (cpu_flags() or ()) for flag in _AMX_CPU_FLAGS)
-    return [_FLAGS, _FLAGS + _AMX_FLAGS] if has_amx else [_FLAGS]
+    return [plain, _FLAGS + _AMX_FLAGS] if has_amx else [plain]
 
 
 def build_name(flags: tuple[str, ...]) -> str:
-    """Say what a build's products run on: "AMX", "AVX-512 BF16", "AVX-512 float32" or "AVX2 float32"."""
+    """Say what a build's products run on: "AMX", "AVX-512 BF16", "AVX-512 BF16 on FMAs", "AVX-512 float32" or "AVX2
+    float32"."""
     if "-DFLOAT32" in flags:
         return "AVX-512 float32" if _F32_AVX512_FLAGS[0] in flags else "AVX2 float32"
-    return "AMX" if _AMX_FLAGS[0] in flags else "AVX-512 BF16"
+    if _AMX_FLAGS[0] in flags:
+        return "AMX"
+    return "AVX-512 BF16 on FMAs" if _ON_FMA_FLAGS[0] in flags else "AVX-512 BF16"
 
 
 def _name(dtype: torch.dtype) -> str:

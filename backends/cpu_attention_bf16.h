@@ -9,6 +9,19 @@
 #else
 #define AMX 0
 #endif
+/* Without AMX, built with -DON_FMA the products run on float32 FMAs instead of `vdpbf16ps`: each bfloat16 value as the
+   float32 it is (a shift or a mask of its pair), each pair's second product added and then its first, each in one
+   rounding, as `vdpbf16ps` adds them, so the sums are the same bits (but for denormals, which `vdpbf16ps` flushes).
+   Where `vdpbf16ps` is the slower (on a Xeon without AMX, a loop of independent ones ran a quarter as many a second as
+   one of FMAs: half the multiply-adds) this is the faster: SmolLM2's 30 layers over a 4k prefix on 2 cores of that Xeon, the two
+   builds in turn in one process, 8 decoding streams 0.75x the time, 16 0.79x, 8 prompts of 28 tokens 0.77x; whole
+   compiled steps on that prefix (step_bench.py --attention-against) 0.89x, 0.86x and 0.82x. Converting each chunk's
+   keys and values to float32 once, as they were packed, instead of as the products read them, took 1.11x to 1.18x as
+   long for decoding streams (0.96x for the prompts). */
+#if !defined(ON_FMA) || AMX
+#undef ON_FMA
+#define ON_FMA 0
+#endif
 
 #if AMX
 /* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 when granted. */
@@ -80,6 +93,10 @@ typedef struct {
     float max[ROWS], sum[ROWS];
     uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
     const uint16_t *in_place, *in_place_values;  /* the chunk's keys and values, where attend_few reads them */
+#if ON_FMA
+    float float_queries[ROWS * MAX_DIM] __attribute__((aligned(64)));      /* the block's queries as float32 */
+    float float_probabilities[ROWS * KEYS] __attribute__((aligned(64)));  /* and its probabilities */
+#endif
 } scratch;
 
 /* 32 columns of `count` rows (`stride` elements apart; zeros past them, to 16) as a tile of their column pairs: row c
@@ -227,14 +244,43 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 
 typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
 
+#if ON_FMA
+/* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
+static inline __attribute__((always_inline)) void as_floats(__m512i pairs, __m512 floats[2]) {
+    floats[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    floats[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* `count` bfloat16 values (a multiple of 16) as float32. */
+static inline void widen(const uint16_t *from, int64_t count, float *to) {
+    for (int64_t i = 0; i < count; i += 16)
+        _mm512_store_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
+}
+#endif
+
 /* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
    a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
 static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
                                                              int64_t d) {
     __m512 acc[8][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
     const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
+#if ON_FMA
+    const float *q = w->float_queries + r0 * d;
+    for (int64_t pair = 0; pair < d / 2; pair++) {
+        const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
+        __m512 k0[2], k1[2];
+        as_floats(_mm512_load_si512(keys + at), k0);
+        as_floats(_mm512_load_si512(next + at), k1);
+        for (int r = 0; r < rows; r++) {
+            const __m512 first = _mm512_set1_ps(q[r * d + 2 * pair]), second = _mm512_set1_ps(q[r * d + 2 * pair + 1]);
+            acc[r][0] = _mm512_fmadd_ps(first, k0[0], _mm512_fmadd_ps(second, k0[1], acc[r][0]));
+            acc[r][1] = _mm512_fmadd_ps(first, k1[0], _mm512_fmadd_ps(second, k1[1], acc[r][1]));
+        }
+    }
+#else
+    const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
     for (int64_t pair = 0; pair < d / 2; pair++) {
         const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
         const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
@@ -244,6 +290,7 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
         }
     }
+#endif
     for (int r = 0; r < rows; r++) {
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g, acc[r][0]);
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g + 16, acc[r][1]);
@@ -276,6 +323,19 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const uint16_t *values = w->values + (c / 16) * blocks * 512;
+#if ON_FMA
+    const float *p = w->float_probabilities + r0 * KEYS;
+    for (int64_t pair = 0; pair < blocks * 16; pair++) {
+        __m512 v[4][2];
+        for (int j = 0; j < 4; j++) as_floats(_mm512_load_si512(values + (j * blocks * 16 + pair) * 32), v[j]);
+        for (int r = 0; r < rows; r++) {
+            const __m512 first = _mm512_set1_ps(p[r * KEYS + 2 * pair]);
+            const __m512 second = _mm512_set1_ps(p[r * KEYS + 2 * pair + 1]);
+            for (int j = 0; j < 4; j++)
+                acc[r][j] = _mm512_fmadd_ps(first, v[j][0], _mm512_fmadd_ps(second, v[j][1], acc[r][j]));
+        }
+    }
+#else
     const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
     for (int64_t pair = 0; pair < blocks * 16; pair++) {
         __m512bh v[4];
@@ -285,6 +345,7 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
         }
     }
+#endif
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
 }
@@ -572,6 +633,9 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         memcpy(w->queries + i * d, x->q + head_of(x, h, r) * x->q_head + r % x->count * x->q_row, sizeof(uint16_t) * d);
     }
     memset(w->queries + count * d, 0, sizeof(uint16_t) * (tiles * 16 - count) * d);
+#if ON_FMA
+    widen(w->queries, count * d, w->float_queries);
+#endif
 #if AMX
     if (w->in_place) {
         attend_few(x, r0, count, t0, d, scale, w, ahead, held);
@@ -616,6 +680,9 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
         }
         w->sum[r] = total;
     }
+#if ON_FMA
+    for (int64_t r = 0; r < count; r++) widen(w->probabilities + r * KEYS, padded, w->float_probabilities + r * KEYS);
+#endif
     outputs(w, count, tiles, blocks, d);
 }
 

@@ -68,6 +68,7 @@ import safetensors
 import torch
 
 from prefixgate.backends import cpu_attention
+from prefixgate.backends.cpu_attention import cpu_vendor
 
 _log = logging.getLogger(__name__)
 
@@ -459,16 +460,6 @@ def mkl_past_64() -> bool:
     """Say whether float32 products of more than 64 rows go to MKL rather than the kernel: everywhere but on AMD's
     CPUs, where MKL's ran slower (see the module's docstring)."""
     return cpu_vendor() != "AuthenticAMD"
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """Return the CPU's vendor as x86 CPUs name it (`GenuineIntel`, `AuthenticAMD`), or "" where Linux does not say."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
 
 
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")

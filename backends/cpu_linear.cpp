@@ -233,6 +233,74 @@ static inline __attribute__((always_inline)) void coded_product(const uint16_t *
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
 
+#if defined(ON_FMA) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+/* Built with -DON_FMA (on Intel's CPUs without AMX, where `vdpbf16ps` does half the multiply-adds a second that FMAs
+   do) the pair products run on float32 FMAs instead, the same sums to the bit, as the attention kernel's do there
+   (cpu_attention_bf16.h): x's rows widened to float32 once a call, each pair row of the weight as its two float32
+   vectors, the second's product added and then the first's, each in one rounding, as `vdpbf16ps` adds them. */
+#define PAIRS_ON_FMA 1
+
+/* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
+static inline __attribute__((always_inline)) void pair_floats(__m512i pairs, __m512 &first, __m512 &second) {
+    first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* `count` bfloat16 values as float32, exactly. */
+static void widen(const uint16_t *from, int64_t count, float *to) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16)
+        _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
+    for (; i < count; i++) {
+        const uint32_t bits = (uint32_t)from[i] << 16;
+        memcpy(to + i, &bits, sizeof bits);
+    }
+}
+
+/* product() of pair panels for rows of x widened to float32 (see PAIRS_ON_FMA). */
+static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const uint16_t *b,
+                                                          int64_t depth, float *c, int add, const char *next,
+                                                          int64_t lines, const int rows) {
+    __m512 acc[MOST_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < depth / 2; i++) {
+        if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
+        __m512 first, second;
+        pair_floats(_mm512_loadu_si512(b + i * 32), first, second);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
+                                     _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+/* coded_product() of bfloat16 code panels for rows of x widened to float32: each pair row rebuilt as the pair panel's,
+   then its two float32 vectors (see PAIRS_ON_FMA). */
+static inline __attribute__((always_inline)) void coded_pair_product(const float *a, int64_t lda, const int8_t *codes,
+                                                                     const int half, const float *scales,
+                                                                     const float *offsets, int64_t depth, float *c,
+                                                                     int add, const char *next, int64_t lines,
+                                                                     const int rows) {
+    __m512 acc[MOST_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
+        const __m512 d = _mm512_loadu_ps(scales + i0 / BLOCK * 16), o = _mm512_loadu_ps(offsets + i0 / BLOCK * 16);
+        for (int64_t i = i0 / 2; i < (i0 + BLOCK) / 2; i++) {
+            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
+            __m512 first, second;
+            pair_floats((__m512i)rebuild_pair(codes, half, i, d, o), first, second);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
+                                         _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+#else
+#define PAIRS_ON_FMA 0
+#endif
+
 /* The 16 sums of a row rounded to bfloat16 (to nearest, ties to even) after the bias is added, the first `columns`
    written to `out`. */
 static inline void round_out(const float *c, const uint16_t *bias, int64_t columns, uint16_t *out) {
@@ -254,8 +322,8 @@ static inline void round_out(const float *c, const uint16_t *bias, int64_t colum
 #endif
 
 /* One chunk of a panel met by `count` rows of x (at most GROUP), the first of them fetching `lines` of `next`. */
-template <typename T>
-static void chunk(const T *x, int64_t k, int64_t count, const T *b, int64_t depth, float *c, int add, const char *next,
+template <typename T, typename B>
+static void chunk(const T *x, int64_t k, int64_t count, const B *b, int64_t depth, float *c, int add, const char *next,
                   int64_t lines) {
     /* blocks of rows as even as MOST_ROWS at most allows (8 rows on AVX2: 4 and 4, not 6 and 2, whose 4 accumulators
        wait on the FMAs' latency) */
@@ -304,6 +372,17 @@ static inline __attribute__((always_inline)) void coded_chunk(const T *x, int64_
                                                               const char *next, int64_t lines) {
     WITH_ROWS(count, coded_product, x, k, codes, half, scales, offsets, depth, c, add, next, lines)
 }
+
+#if PAIRS_ON_FMA
+/* coded_chunk() of a bfloat16 code panel for rows of x widened to float32. */
+static inline __attribute__((always_inline)) void coded_pair_chunk(const float *x, int64_t k, int64_t count,
+                                                                   const int8_t *codes, const int half,
+                                                                   const float *scales, const float *offsets,
+                                                                   int64_t depth, float *c, int add, const char *next,
+                                                                   int64_t lines) {
+    WITH_ROWS(count, coded_pair_product, x, k, codes, half, scales, offsets, depth, c, add, next, lines)
+}
+#endif
 
 /* A packed weight [n, k] and its bias, as packed_linear.py lays them out: float panels [n / 16][k][16] (n rounded up
    to 16), or code panels [n / 16][k][16] of `bits` 8 or 4 (then [n / 16][k][8] bytes) with their scales and offsets
@@ -517,6 +596,15 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
     const int64_t stride = coded ? w->bits * 2 : pairs ? 32 : 64;
     const int half = coded && w->bits == 4;
     const char *panels = coded ? (const char *)w->codes : pairs ? (const char *)w->pairs : (const char *)w->panels;
+#if PAIRS_ON_FMA
+    /* bfloat16 rows of x as float32, for products on FMAs: the calling thread's, read by every thread below */
+    thread_local std::vector<float> wide;
+    if constexpr (pairs) {
+        if ((int64_t)wide.size() < m * k) wide.resize(m * k);
+        widen(x, m * k, wide.data());
+    }
+    const float *widened_x = wide.data();
+#endif
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
@@ -530,6 +618,17 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
                 const char *next = panel + (k0 + depth) * stride;
                 const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
                 const T *xs = x + g * k + k0;
+#if PAIRS_ON_FMA
+                if constexpr (pairs) {
+                    const float *widened = widened_x + g * k + k0;
+                    const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
+                    if (!coded) chunk(widened, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
+                    else
+                        coded_pair_chunk(widened, k, rows, (const int8_t *)panel + k0 * stride, half,
+                                         w->scales + block, w->offsets + block, depth, c, k0 > 0, next, lines);
+                    continue;
+                }
+#endif
                 if (!coded) {
                     chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
                     continue;

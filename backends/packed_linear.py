@@ -29,18 +29,20 @@ such (Q4_1 and Q8_0: 115 MB instead of 538), and its decode step reads a fifth o
 dtype").
 
 A bfloat16 weight keeps oneDNN's layout, and where the kernel builds with AVX-512 BF16 it is also laid out for the
-kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded once): oneDNN's kernels lose to it on the
-few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon with AMX: 11.6 ms for one row against 17.4 in an
-idle hour, 17.9 against 27.4 in a busy one) and, on AMX's tiles, win past 8 rows; without AMX they lose up to a whole
-pass of 64 rows (on a Xeon without it, 0.58 of oneDNN's time for 8 rows, 0.75 for 16, 0.90 for 64, about the same for
-128). So the operator gives it up to `pair_rows()` rows (8 with AMX, 64 without) and calls oneDNN's product on its
-layout, from C++, for more. The copy doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only
-where it takes at most an eighth of the memory free at load. A bfloat16 layer rounded from a float32 weight
-that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them; `_float32_sources`) is also
-laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and rounds them to bfloat16 as
-torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes (SmolLM2: 115 MB against 270).
-That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against 14.9), the pair panels from 6
-(rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5 rows.
+kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded once; on Intel's CPUs without AMX, where
+it does half the multiply-adds a second that FMAs do, float32 FMAs on the same values, the same sums: see
+cpu_linear.cpp): oneDNN's kernels lose to it on the few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon
+with AMX: 11.6 ms for one row against 17.4 in an idle hour, 17.9 against 27.4 in a busy one) and, on AMX's tiles, win
+past 8 rows; without AMX they lose up to a whole pass of 64 rows (on a Xeon without it, 0.58 of oneDNN's time for 8
+rows, 0.75 for 16, 0.90 for 64, about the same for 128). So the operator gives it up to `pair_rows()` rows (8 with AMX,
+64 without) and calls oneDNN's product on its layout, from C++, for more. The copy doubles the linear weights' memory
+(SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the memory free at load. A bfloat16 layer
+rounded from a float32 weight that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them;
+`_float32_sources`) is also laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and
+rounds them to bfloat16 as torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes
+(SmolLM2: 115 MB against 270). That is the faster for up to 5 rows (one row 8.9 ms against 12.2, five 13.2 against
+14.9), the pair panels from 6 (rebuilding costs instructions: eight rows 19.7 against 18.3), so the codes take up to 5
+rows.
 Where the CPU has AMX, the kernel builds with it and the codes take 2 to 512 rows on its tiles (each 32 values of k of
 16 outputs rebuilt into a tile once, multiplied by 16 rows in one instruction): SmolLM2's 211 layers, 16 rows 8.8 ms
 against oneDNN's 18.5, 64 rows 16.0 against 23.3, 216 rows 38.9 against 44.1 and 512 rows 84.3 against 93.2 (see
@@ -467,6 +469,7 @@ _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-mavx2", "-mfma", "-std=c++20"
 _AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512: 16 columns a vector, 12 rows at a time
 _BF16_FLAGS = ("-mavx512bw", "-mavx512bf16")  # and its bfloat16 products where it has AVX-512 BF16
 _AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # and where it has AMX too, products of bfloat16 code panels on its tiles
+_ON_FMA_FLAGS = ("-DON_FMA",)  # or else, on Intel's CPUs, its bfloat16 products on float32 FMAs
 _built: list[tuple[str, ...]] = []  # the flags of the kernel's build that loaded, once `_kernel` has loaded one
 
 
@@ -477,7 +480,9 @@ def _flags() -> tuple[str, ...]:
         return _FLAGS
     bfloat16 = _BF16_FLAGS if {"avx512bw", "avx512_bf16"} <= flags else ()
     amx = _AMX_FLAGS if bfloat16 and {"amx_tile", "amx_bf16"} <= flags else ()
-    return _FLAGS + _AVX512_FLAGS + bfloat16 + amx
+    # without AMX on Intel's CPUs, the bfloat16 products on float32 FMAs (see cpu_linear.cpp's PAIRS_ON_FMA)
+    on_fma = _ON_FMA_FLAGS if bfloat16 and not amx and cpu_vendor() == "GenuineIntel" else ()
+    return _FLAGS + _AVX512_FLAGS + bfloat16 + amx + on_fma
 
 
 def bfloat16_products() -> bool:

@@ -471,6 +471,44 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path: Path, monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
+OTHER_BFLOAT16_PRODUCTS = """
+import sys, torch
+from prefixgate.backends import packed_linear
+flags = packed_linear._flags()  # the other way: on FMAs where this CPU's build is not, on dot products where it is
+other = flags[:-1] if flags[-1] == "-DON_FMA" else flags + ("-DON_FMA",)
+packed_linear._flags = lambda: other
+assert packed_linear.bfloat16_products()
+(linear, found), x = torch.load(sys.argv[1], weights_only=False)
+layers = [packed_linear.PackedLinear(linear, found=found), packed_linear.PackedLinear(linear)]
+cpu_attention = packed_linear.cpu_attention
+built = cpu_attention.build_operator(packed_linear._SOURCE, other, cpu_attention.cxx_compiler())
+with torch.inference_mode():
+    torch.save(([layer(x[:rows]) for layer in layers for rows in (1, 5, 8, 13, 64)], built.name), sys.argv[2])
+"""
+
+
+@needs_bfloat16_kernel
+@off_tiles
+def test_the_bfloat16_products_on_fmas_give_the_dot_products_bits(tmp_path: Path) -> None:
+    # Each pair's second product added and then its first, each in one rounding, as `vdpbf16ps` adds them: the same
+    # sums on float32 FMAs (as Intel's CPUs without AMX run them) as on the dot products (as AMD's do), for the code
+    # panels (up to 5 rows) and the pair panels.
+    original, linear = rounded_from_blocks((37, 1536), GGMLQuantizationType.Q4_1)
+    found = block_codes(original)
+    x = torch.randn(64, 1536, dtype=torch.bfloat16)
+    torch.save(((linear, found), x), tmp_path / "inputs.pt")
+    command = [sys.executable, "-c", OTHER_BFLOAT16_PRODUCTS, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(command, check=True)
+    layers = [PackedLinear(linear, found=found), PackedLinear(linear)]
+    assert "codes" in layers[0].layout and "codes" not in layers[1].layout
+    with torch.inference_mode():
+        ours = [layer(x[:rows]) for layer in layers for rows in (1, 5, 8, 13, 64)]
+    theirs, other = torch.load(tmp_path / "out.pt")
+    built = cpu_attention.build_operator(packed_linear._SOURCE, packed_linear._flags(), cpu_attention.cxx_compiler())
+    assert other != built.name  # another build than this process loaded
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 @on_packing_cpus
 @packed_dtypes
 def test_prepacking_replaces_every_plain_linear_layer_and_keeps_the_logits(

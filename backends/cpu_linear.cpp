@@ -163,23 +163,62 @@ static inline __attribute__((always_inline)) void product(const float *a, int64_
 }
 
 #if defined(__AVX512BF16__)
-/* product() in bfloat16: c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16], a's rows of bfloat16 `lda`
-   apart, b `depth` / 2 pair rows (each two values of k for the 16 columns, 64 bytes), summed in float32 by
-   `vdpbf16ps`: for each pair, the second value's product and then the first's, each added in one rounding (denormals
-   flushed to zero). */
-static inline __attribute__((always_inline)) void product(const uint16_t *a, int64_t lda, const uint16_t *b,
-                                                          int64_t depth, float *c, int add, const char *next,
-                                                          int64_t lines, const int rows) {
+/* Each of `rows` rows' products with pair row i of the weight (`pair`: the 16 columns' two values of k, side by side),
+   added to its sums in float32 (`acc`): the second value's product and then the first's, each in one rounding, by
+   `vdpbf16ps` (denormals flushed to zero), from the rows' bfloat16 values `lda` apart. */
+static inline __attribute__((always_inline)) void add_pairs(__m512 *acc, const uint16_t *a, int64_t lda, int64_t i,
+                                                            __m512bh pair, const int rows) {
+    for (int r = 0; r < rows; r++) {
+        int32_t values; /* the row's values of x at k = 2i and 2i + 1, against every column's pair */
+        memcpy(&values, a + r * lda + 2 * i, sizeof values);
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(values), pair);
+    }
+}
+
+#if defined(ON_FMA) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+/* Built with -DON_FMA (on Intel's CPUs without AMX, where `vdpbf16ps` does half the multiply-adds a second that FMAs
+   do) the pair products run on float32 FMAs instead, the same sums to the bit, as the attention kernel's do there
+   (cpu_attention_bf16.h): x's rows widened to float32 once a call, each pair row of the weight as its two float32
+   vectors (a shift, a mask), the second's product added and then the first's, each in one rounding. */
+#define PAIRS_ON_FMA 1
+
+/* add_pairs() for rows widened to float32, on FMAs. */
+static inline __attribute__((always_inline)) void add_pairs(__m512 *acc, const float *a, int64_t lda, int64_t i,
+                                                            __m512bh pair, const int rows) {
+    const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)pair, 16));
+    const __m512 second = _mm512_castsi512_ps(_mm512_and_si512((__m512i)pair, _mm512_set1_epi32((int)0xffff0000u)));
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
+                                 _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
+}
+
+/* `count` bfloat16 values as float32, exactly. */
+static void widen(const uint16_t *from, int64_t count, float *to) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16)
+        _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
+    for (; i < count; i++) {
+        const uint32_t bits = (uint32_t)from[i] << 16;
+        memcpy(to + i, &bits, sizeof bits);
+    }
+}
+#else
+#define PAIRS_ON_FMA 0
+#endif
+
+/* product() in bfloat16: c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16], a's rows (bfloat16, or widened
+   to float32) `lda` apart, b `depth` / 2 pair rows (each two values of k for the 16 columns, 64 bytes), summed in
+   float32 by add_pairs(). */
+template <typename X>
+static inline __attribute__((always_inline)) void product(const X *a, int64_t lda, const uint16_t *b, int64_t depth,
+                                                          float *c, int add, const char *next, int64_t lines,
+                                                          const int rows) {
     __m512 acc[MOST_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
     for (int64_t i = 0; i < depth / 2; i++) {
         if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-        const __m512bh bi = (__m512bh)_mm512_loadu_si512(b + i * 32);
-        for (int r = 0; r < rows; r++) {
-            int32_t pair; /* the row's values of x at k = 2i and 2i + 1, against every column's pair */
-            memcpy(&pair, a + r * lda + 2 * i, sizeof pair);
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), bi);
-        }
+        add_pairs(acc, a, lda, i, (__m512bh)_mm512_loadu_si512(b + i * 32), rows);
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
@@ -212,72 +251,8 @@ static inline __attribute__((always_inline)) __m512bh rebuild_pair(const int8_t 
 
 /* product() in bfloat16 for a chunk of bfloat16 code panel: each pair row rebuilt in registers as the pair panel's,
    so the sums are the pair panels' to the bit. */
-static inline __attribute__((always_inline)) void coded_product(const uint16_t *a, int64_t lda, const int8_t *codes,
-                                                                const int half, const float *scales,
-                                                                const float *offsets, int64_t depth, float *c, int add,
-                                                                const char *next, int64_t lines, const int rows) {
-    __m512 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
-    for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
-        const __m512 d = _mm512_loadu_ps(scales + i0 / BLOCK * 16), o = _mm512_loadu_ps(offsets + i0 / BLOCK * 16);
-        for (int64_t i = i0 / 2; i < (i0 + BLOCK) / 2; i++) {
-            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-            const __m512bh bi = rebuild_pair(codes, half, i, d, o);
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, a + r * lda + 2 * i, sizeof pair);
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), bi);
-            }
-        }
-    }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
-}
-
-#if defined(ON_FMA) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
-/* Built with -DON_FMA (on Intel's CPUs without AMX, where `vdpbf16ps` does half the multiply-adds a second that FMAs
-   do) the pair products run on float32 FMAs instead, the same sums to the bit, as the attention kernel's do there
-   (cpu_attention_bf16.h): x's rows widened to float32 once a call, each pair row of the weight as its two float32
-   vectors, the second's product added and then the first's, each in one rounding, as `vdpbf16ps` adds them. */
-#define PAIRS_ON_FMA 1
-
-/* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
-static inline __attribute__((always_inline)) void pair_floats(__m512i pairs, __m512 &first, __m512 &second) {
-    first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* `count` bfloat16 values as float32, exactly. */
-static void widen(const uint16_t *from, int64_t count, float *to) {
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16)
-        _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
-    for (; i < count; i++) {
-        const uint32_t bits = (uint32_t)from[i] << 16;
-        memcpy(to + i, &bits, sizeof bits);
-    }
-}
-
-/* product() of pair panels for rows of x widened to float32 (see PAIRS_ON_FMA). */
-static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const uint16_t *b,
-                                                          int64_t depth, float *c, int add, const char *next,
-                                                          int64_t lines, const int rows) {
-    __m512 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < depth / 2; i++) {
-        if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-        __m512 first, second;
-        pair_floats(_mm512_loadu_si512(b + i * 32), first, second);
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
-                                     _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
-    }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
-}
-
-/* coded_product() of bfloat16 code panels for rows of x widened to float32: each pair row rebuilt as the pair panel's,
-   then its two float32 vectors (see PAIRS_ON_FMA). */
-static inline __attribute__((always_inline)) void coded_pair_product(const float *a, int64_t lda, const int8_t *codes,
+template <typename X>
+static inline __attribute__((always_inline)) void coded_pair_product(const X *a, int64_t lda, const int8_t *codes,
                                                                      const int half, const float *scales,
                                                                      const float *offsets, int64_t depth, float *c,
                                                                      int add, const char *next, int64_t lines,
@@ -288,18 +263,11 @@ static inline __attribute__((always_inline)) void coded_pair_product(const float
         const __m512 d = _mm512_loadu_ps(scales + i0 / BLOCK * 16), o = _mm512_loadu_ps(offsets + i0 / BLOCK * 16);
         for (int64_t i = i0 / 2; i < (i0 + BLOCK) / 2; i++) {
             if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-            __m512 first, second;
-            pair_floats((__m512i)rebuild_pair(codes, half, i, d, o), first, second);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
-                                         _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
+            add_pairs(acc, a, lda, i, rebuild_pair(codes, half, i, d, o), rows);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
-#else
-#define PAIRS_ON_FMA 0
-#endif
 
 /* The 16 sums of a row rounded to bfloat16 (to nearest, ties to even) after the bias is added, the first `columns`
    written to `out`. */
@@ -373,9 +341,10 @@ static inline __attribute__((always_inline)) void coded_chunk(const T *x, int64_
     WITH_ROWS(count, coded_product, x, k, codes, half, scales, offsets, depth, c, add, next, lines)
 }
 
-#if PAIRS_ON_FMA
-/* coded_chunk() of a bfloat16 code panel for rows of x widened to float32. */
-static inline __attribute__((always_inline)) void coded_pair_chunk(const float *x, int64_t k, int64_t count,
+#if defined(__AVX512BF16__)
+/* coded_chunk() of a bfloat16 code panel, for rows of bfloat16 or widened to float32. */
+template <typename X>
+static inline __attribute__((always_inline)) void coded_pair_chunk(const X *x, int64_t k, int64_t count,
                                                                    const int8_t *codes, const int half,
                                                                    const float *scales, const float *offsets,
                                                                    int64_t depth, float *c, int add, const char *next,
@@ -617,33 +586,34 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
                 /* the next chunk, or the next panel's first: panels lie one after the other */
                 const char *next = panel + (k0 + depth) * stride;
                 const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
-                const T *xs = x + g * k + k0;
-#if PAIRS_ON_FMA
-                if constexpr (pairs) {
-                    const float *widened = widened_x + g * k + k0;
-                    const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
-                    if (!coded) chunk(widened, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
-                    else
-                        coded_pair_chunk(widened, k, rows, (const int8_t *)panel + k0 * stride, half,
-                                         w->scales + block, w->offsets + block, depth, c, k0 > 0, next, lines);
-                    continue;
-                }
-#endif
-                if (!coded) {
-                    chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
-                    continue;
-                }
                 const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
-                const float *scales = w->scales + block, *offsets = w->offsets + block;
+                const float *scales = coded ? w->scales + block : nullptr;
+                const float *offsets = coded ? w->offsets + block : nullptr;
                 const int8_t *codes = (const int8_t *)panel + k0 * stride;
-                if (rows <= MOST_ROWS && half)
-                    coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
-                else if (rows <= MOST_ROWS)
-                    coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
-                else if constexpr (!pairs) { /* bfloat16 rows are at most PAIR_ROWS */
-                    if (half) decode(codes, 1, scales, offsets, depth, decoded);
-                    else decode(codes, 0, scales, offsets, depth, decoded);
-                    chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
+                if constexpr (pairs) { /* at most PAIR_ROWS rows, and CODED_PAIR_ROWS on code panels */
+#if PAIRS_ON_FMA
+                    const float *xs = widened_x + g * k + k0;
+#else
+                    const T *xs = x + g * k + k0;
+#endif
+#if defined(__AVX512BF16__)
+                    const int add = k0 > 0;
+                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, add, next, lines);
+                    else if (half) coded_pair_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, add, next, lines);
+                    else coded_pair_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, add, next, lines);
+#endif
+                } else {
+                    const T *xs = x + g * k + k0;
+                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
+                    else if (rows <= MOST_ROWS && half)
+                        coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
+                    else if (rows <= MOST_ROWS)
+                        coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
+                    else {
+                        if (half) decode(codes, 1, scales, offsets, depth, decoded);
+                        else decode(codes, 0, scales, offsets, depth, decoded);
+                        chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
+                    }
                 }
             }
             const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;

@@ -13,11 +13,11 @@
    float32 it is (a shift or a mask of its pair), each pair's second product added and then its first, each in one
    rounding, as `vdpbf16ps` adds them, so the sums are the same bits (but for denormals, which `vdpbf16ps` flushes).
    Where `vdpbf16ps` is the slower (on a Xeon without AMX, a loop of independent ones ran a quarter as many a second as
-   one of FMAs: half the multiply-adds) this is the faster: SmolLM2's 30 layers over a 4k prefix on 2 cores of that Xeon, the two
-   builds in turn in one process, 8 decoding streams 0.75x the time, 16 0.79x, 8 prompts of 28 tokens 0.77x; whole
-   compiled steps on that prefix (step_bench.py --attention-against) 0.89x, 0.86x and 0.82x. Converting each chunk's
-   keys and values to float32 once, as they were packed, instead of as the products read them, took 1.11x to 1.18x as
-   long for decoding streams (0.96x for the prompts). */
+   one of FMAs: half the multiply-adds) this is the faster: SmolLM2's 30 layers over a 4k prefix on 2 cores of that
+   Xeon, the two builds in turn in one process, 8 decoding streams 0.75x the time, 16 0.79x, 8 prompts of 28 tokens
+   0.77x; whole compiled steps on that prefix (step_bench.py --attention-against) 0.89x, 0.86x and 0.82x. Converting
+   each chunk's keys and values to float32 once, as they were packed, instead of as the products read them, took 1.11x
+   to 1.18x as long for decoding streams (0.96x for the prompts). */
 #if !defined(ON_FMA) || AMX
 #undef ON_FMA
 #define ON_FMA 0

@@ -528,7 +528,8 @@ def _kernel() -> bool:
             _built.append(flags)
             torch.library.register_fake("prefixgate::linear_panels")(_linear_panels_shape)
             kind = "AVX-512" if _AVX512_FLAGS[0] in flags else "AVX2"
-            also = ", and bfloat16 decode steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""
+            also = ", and bfloat16 steps with AVX-512 BF16" if _BF16_FLAGS[-1] in flags else ""
+            also += " on float32 FMAs" if _ON_FMA_FLAGS[0] in flags else ""
             also += " and GGUF codes on AMX's tiles" if _AMX_FLAGS[0] in flags else ""
             _log.info("float32 linear layers run on the C++ kernel (%s float32%s)", kind, also)
             return True

@@ -3,12 +3,14 @@
    Python between it and the kernel.
 
    A weight [n, k] is packed once (by packed_linear.py) into panels of 16 output columns, each k rows of 16 floats
-   (the weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs each panel against every row of
-   x: k in chunks of 128 rows of the panel (8 KiB, held in the nearest cache while every few rows of x meet it), up
-   to 12 rows at a time in as many AVX-512 accumulators (or 6 in 12 of AVX2's vectors of 8), the partial outputs kept
-   in a small buffer between chunks. While the first rows meet a chunk, the next chunk's lines are asked for, one a
-   step, so the weight streams from memory as the products run. Each output is summed over k in the same order
-   whatever the rows beside it, and whichever of the two builds runs.
+   (the weight's rows transposed, zeros past n). A product y[m, n] = x[m, k] W^T runs two panels side by side against
+   every row of x, so that each value of x read meets 32 columns: k in chunks of 128 rows of the panels (8 KiB each,
+   held in the nearest cache while every few rows of x meet them), up to 12 rows at a time in 24 AVX-512 accumulators
+   (or 3 in 12 of AVX2's vectors of 8), the partial outputs kept in a small buffer between chunks. While the first rows
+   meet a chunk, the next chunk's lines are asked for, one of each panel a step, so the weight streams from memory as
+   the products run. Each output is summed over k in the same order whatever the rows and columns beside it, and
+   whichever of the two builds runs. (Meeting one panel at a time, each value of x read fed one FMA, and the loads
+   bound the products: SmolLM2's 211 layers on 2 cores of a Xeon, 64 rows took 98 ms, two panels at a time 70.)
 
    A weight that is exactly a block code (w = d q + o for each 32 values of k along a row, q a small integer, d a
    half-precision number: what a GGUF file's Q4_1 or Q8_0 weights become as float32) may be packed as its codes
@@ -16,16 +18,16 @@
    half of byte j and column j + 8 in the high half), and for each 32 values of k the 16 columns' d and o. Each chunk
    is rebuilt as floats in a buffer before the rows meet it, d q + o in one rounding, which is the weight's value to
    the bit (d q is exact in float32), so the products are the float panels' to the bit while a quarter of the bytes,
-   or less, come from memory. Where at most 12 rows (6 on AVX2) meet it (a decode step of a few streams), each value
+   or less, come from memory. Where at most 12 rows (3 on AVX2) meet it (a decode step of a few streams), each value
    is rebuilt in registers as the rows meet it instead, the same sums without the buffer.
 
    A bfloat16 weight is packed as pair panels: for each two values of k, the 16 columns' two weights side by side (64
    bytes, one AVX-512 vector), which AVX-512 BF16's dot product (`vdpbf16ps`) multiplies by a row's two values of x
    and adds to 16 float32 sums at once; the rest runs as for floats, and each output is rounded to bfloat16 once, at
    the end (to nearest, ties to even, as torch rounds). They take at most PAIR_ROWS rows (a decode step of a few
-   streams with AMX, of up to 64 without): more go to oneDNN's product on its own layout (`mkldnn::_linear_pointwise`,
-   called here as packed_linear.py's Python operator calls it where the kernel does not take a layer), the faster
-   there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
+   streams with AMX, up to 64 on dot products without it, every count on FMAs): more go to oneDNN's product on its own
+   layout (`mkldnn::_linear_pointwise`, called here as packed_linear.py's Python operator calls it where the kernel
+   does not take a layer), the faster there. A bfloat16 weight rounded from block codes may be packed as the codes too, in the pair panels' order
    (bfloat16 code panels): each pair row is rebuilt as float32 and rounded to bfloat16 in registers, which is the pair
    panel's row to the bit; they take up to CODED_PAIR_ROWS rows, the pair panels more, up to PAIR_ROWS. Built with AMX,
    the bfloat16 code panels take AMX_FROM to AMX_MANY rows on its tiles instead (amx_coded_linear up to AMX_ROWS,
@@ -50,11 +52,16 @@
 /* The most rows a bfloat16 product takes on pair panels; oneDNN's product on its own layout takes more. Built with AMX,
    oneDNN's products run on its tiles and are about as fast at 8 rows (SmolLM2's 211 layers on 2 cores of a Xeon with
    AMX: 26.6 ms against 26.9 in a busy hour, 16.3 against 17.9 in an idle one) and the faster past them (12 rows 30.8
-   against 28.4). Without AMX they run on AVX-512 BF16's dot products, as the pair panels do, and the pair panels are
-   the faster for a whole pass of GROUP rows: on 2 cores of a Xeon without AMX (the two in turn, linear_bench.py's
-   layers) they took 0.58 of oneDNN's time for 8 rows, 0.75 for 16, 0.83 for 32, 0.90 for 64, and 0.99 for 128. */
+   against 28.4; both measured when a product met one panel at a time). Without AMX they run on AVX-512 BF16's dot
+   products, as the pair panels do, and the pair panels are the faster for a whole pass of GROUP rows, about as fast
+   past it: on 2 cores of a Xeon without AMX (linear_bench.py's layers, in the same run) 0.59 of oneDNN's time for 8
+   rows, 0.74 for 16, 0.95 for 64, 0.99 for 216 and 1.01 for 512. On FMAs (ON_FMA, below) the pair panels are the
+   faster at every count, so they take every row: 0.47 of oneDNN's time for 8 rows, 0.54 for 16, 0.64 for 64, 0.66
+   for 216 and 0.75 for 512. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAIR_ROWS 8
+#elif defined(ON_FMA)
+#define PAIR_ROWS INT64_MAX
 #else
 #define PAIR_ROWS GROUP
 #endif
@@ -65,8 +72,9 @@
 #define CODED_PAIR_ROWS 5
 
 /* 16 columns of one row: one AVX-512 vector where the build has AVX-512 (-mavx512f), else two AVX2 vectors. Each
-   lane's arithmetic is the same in both, so the two builds give the same bits. With 32 vector registers, AVX-512
-   accumulates up to 12 rows at a time; AVX2, with 16, up to 6. */
+   lane's arithmetic is the same in both, so the two builds give the same bits. A product meets two panels at a time:
+   with 32 vector registers, AVX-512 accumulates up to 12 rows of them (24 sums); AVX2, with 16, up to 3 (12 vectors
+   of 8). */
 #if defined(__AVX512F__)
 #define MOST_ROWS 12
 typedef __m512 row16;
@@ -91,7 +99,7 @@ static inline __attribute__((always_inline)) row16 rebuild(const int8_t *codes, 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, o);
 }
 #else
-#define MOST_ROWS 6
+#define MOST_ROWS 3
 typedef struct {
     __m256 lo, hi;
 } row16;
@@ -124,54 +132,87 @@ static inline __attribute__((always_inline)) row16 rebuild(const int8_t *codes, 
 #endif
 
 /* A call of f(..., rows, ...) with `rows` (1 to MOST_ROWS) a constant, so each count's loops unroll. */
-#if MOST_ROWS > 6
-#define ROWS_ABOVE_6(f, ...)                  \
+#if MOST_ROWS > 3
+#define ROWS_ABOVE_3(f, ...)                  \
     case 12: f(__VA_ARGS__, 12); break;       \
     case 11: f(__VA_ARGS__, 11); break;       \
     case 10: f(__VA_ARGS__, 10); break;       \
     case 9: f(__VA_ARGS__, 9); break;         \
     case 8: f(__VA_ARGS__, 8); break;         \
-    case 7: f(__VA_ARGS__, 7); break;
+    case 7: f(__VA_ARGS__, 7); break;         \
+    case 6: f(__VA_ARGS__, 6); break;         \
+    case 5: f(__VA_ARGS__, 5); break;         \
+    case 4: f(__VA_ARGS__, 4); break;
 #else
-#define ROWS_ABOVE_6(f, ...)
+#define ROWS_ABOVE_3(f, ...)
 #endif
 #define WITH_ROWS(rows, f, ...)               \
     switch (rows) {                           \
-    ROWS_ABOVE_6(f, __VA_ARGS__)              \
-    case 6: f(__VA_ARGS__, 6); break;         \
-    case 5: f(__VA_ARGS__, 5); break;         \
-    case 4: f(__VA_ARGS__, 4); break;         \
+    ROWS_ABOVE_3(f, __VA_ARGS__)              \
     case 3: f(__VA_ARGS__, 3); break;         \
     case 2: f(__VA_ARGS__, 2); break;         \
     case 1: f(__VA_ARGS__, 1); break;         \
     default: break;                           \
     }
 
-/* c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16] (rows at most MOST_ROWS; a's rows `lda` apart, b's rows
-   16 floats), asking for `lines` lines (64 bytes) of `next`, one a step. */
-static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const float *b, int64_t depth,
-                                                          float *c, int add, const char *next, int64_t lines,
-                                                          const int rows) {
-    row16 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? load16(c + r * 16) : zero16();
-    for (int64_t i = 0; i < depth; i++) {
-        if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-        const row16 bi = load16(b + i * 16);
-        for (int r = 0; r < rows; r++) acc[r] = fma16(a[r * lda + i], bi, acc[r]);
+/* Where a product finds the second of the two panels it meets, and what it asks for meanwhile: the second panel's chunk
+   `apart` bytes past the first's (0 where a weight's last panel has no other beside it and is met twice), for code
+   panels its d and o `scales_apart` floats past the first's; and `lines` lines (64 bytes) of the next chunk of each,
+   at `next` and `next_apart` bytes on, one of each a step. */
+struct two_panels {
+    int64_t apart, scales_apart;
+    const char *next;
+    int64_t next_apart, lines;
+};
+
+static inline __attribute__((always_inline)) void ask(const two_panels &w, int64_t i) {
+    if (i < w.lines) {
+        _mm_prefetch(w.next + i * 64, _MM_HINT_T0);
+        _mm_prefetch(w.next + w.next_apart + i * 64, _MM_HINT_T0);
     }
-    for (int r = 0; r < rows; r++) store16(c + r * 16, acc[r]);
+}
+
+/* The sums of `rows` rows for two panels: the first's rows 16 floats apart in c, the second's from c + GROUP * 16. */
+static inline __attribute__((always_inline)) void load_sums(row16 acc[2][MOST_ROWS], const float *c, int add,
+                                                            const int rows) {
+    for (int q = 0; q < 2; q++)
+        for (int r = 0; r < rows; r++) acc[q][r] = add ? load16(c + q * GROUP * 16 + r * 16) : zero16();
+}
+static inline __attribute__((always_inline)) void store_sums(float *c, row16 acc[2][MOST_ROWS], const int rows) {
+    for (int q = 0; q < 2; q++)
+        for (int r = 0; r < rows; r++) store16(c + q * GROUP * 16 + r * 16, acc[q][r]);
+}
+
+/* c[rows x 32] = (c if `add`) + a[rows x depth] b[depth x 32] (rows at most MOST_ROWS; a's rows `lda` apart; b two
+   panels' chunks, each `depth` rows of 16 floats), so that each value of x read meets 32 columns. */
+static inline __attribute__((always_inline)) void product(const float *a, int64_t lda, const float *b,
+                                                          const two_panels &w, int64_t depth, float *c, int add,
+                                                          const int rows) {
+    const float *b2 = (const float *)((const char *)b + w.apart);
+    row16 acc[2][MOST_ROWS];
+    load_sums(acc, c, add, rows);
+    for (int64_t i = 0; i < depth; i++) {
+        ask(w, i);
+        const row16 first = load16(b + i * 16), second = load16(b2 + i * 16);
+        for (int r = 0; r < rows; r++) {
+            acc[0][r] = fma16(a[r * lda + i], first, acc[0][r]);
+            acc[1][r] = fma16(a[r * lda + i], second, acc[1][r]);
+        }
+    }
+    store_sums(c, acc, rows);
 }
 
 #if defined(__AVX512BF16__)
-/* Each of `rows` rows' products with pair row i of the weight (`pair`: the 16 columns' two values of k, side by side),
-   added to its sums in float32 (`acc`): the second value's product and then the first's, each in one rounding, by
-   `vdpbf16ps` (denormals flushed to zero), from the rows' bfloat16 values `lda` apart. */
-static inline __attribute__((always_inline)) void add_pairs(__m512 *acc, const uint16_t *a, int64_t lda, int64_t i,
-                                                            __m512bh pair, const int rows) {
+/* Each of `rows` rows' products with pair row i of two panels (`pairs`: each panel's 16 columns' two values of k, side
+   by side), added to its sums in float32 (`acc`): the second value's product and then the first's, each in one
+   rounding, by `vdpbf16ps` (denormals flushed to zero), from the rows' bfloat16 values `lda` apart. */
+static inline __attribute__((always_inline)) void add_pairs(__m512 acc[2][MOST_ROWS], const uint16_t *a, int64_t lda,
+                                                            int64_t i, const __m512bh pairs[2], const int rows) {
     for (int r = 0; r < rows; r++) {
         int32_t values; /* the row's values of x at k = 2i and 2i + 1, against every column's pair */
         memcpy(&values, a + r * lda + 2 * i, sizeof values);
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(values), pair);
+        const __m512bh xs = (__m512bh)_mm512_set1_epi32(values);
+        for (int q = 0; q < 2; q++) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], xs, pairs[q]);
     }
 }
 
@@ -183,13 +224,17 @@ static inline __attribute__((always_inline)) void add_pairs(__m512 *acc, const u
 #define PAIRS_ON_FMA 1
 
 /* add_pairs() for rows widened to float32, on FMAs. */
-static inline __attribute__((always_inline)) void add_pairs(__m512 *acc, const float *a, int64_t lda, int64_t i,
-                                                            __m512bh pair, const int rows) {
-    const __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)pair, 16));
-    const __m512 second = _mm512_castsi512_ps(_mm512_and_si512((__m512i)pair, _mm512_set1_epi32((int)0xffff0000u)));
-    for (int r = 0; r < rows; r++)
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i]), first,
-                                 _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + 2 * i + 1]), second, acc[r]));
+static inline __attribute__((always_inline)) void add_pairs(__m512 acc[2][MOST_ROWS], const float *a, int64_t lda,
+                                                            int64_t i, const __m512bh pairs[2], const int rows) {
+    __m512 first[2], second[2];
+    for (int q = 0; q < 2; q++) {
+        first[q] = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)pairs[q], 16));
+        second[q] = _mm512_castsi512_ps(_mm512_and_si512((__m512i)pairs[q], _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 x0 = _mm512_set1_ps(a[r * lda + 2 * i]), x1 = _mm512_set1_ps(a[r * lda + 2 * i + 1]);
+        for (int q = 0; q < 2; q++) acc[q][r] = _mm512_fmadd_ps(x0, first[q], _mm512_fmadd_ps(x1, second[q], acc[q][r]));
+    }
 }
 
 /* `count` bfloat16 values as float32, exactly. */
@@ -207,20 +252,22 @@ static void widen(const uint16_t *from, int64_t count, float *to) {
 #define PAIRS_ON_FMA 0
 #endif
 
-/* product() in bfloat16: c[rows x 16] = (c if `add`) + a[rows x depth] b[depth x 16], a's rows (bfloat16, or widened
-   to float32) `lda` apart, b `depth` / 2 pair rows (each two values of k for the 16 columns, 64 bytes), summed in
-   float32 by add_pairs(). */
+/* product() in bfloat16: c[rows x 32] = (c if `add`) + a[rows x depth] b[depth x 32], a's rows (bfloat16, or widened
+   to float32) `lda` apart, b two panels' chunks of `depth` / 2 pair rows (each two values of k for 16 columns, 64
+   bytes), summed in float32 by add_pairs(). */
 template <typename X>
-static inline __attribute__((always_inline)) void product(const X *a, int64_t lda, const uint16_t *b, int64_t depth,
-                                                          float *c, int add, const char *next, int64_t lines,
+static inline __attribute__((always_inline)) void product(const X *a, int64_t lda, const uint16_t *b,
+                                                          const two_panels &w, int64_t depth, float *c, int add,
                                                           const int rows) {
-    __m512 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    const uint16_t *b2 = (const uint16_t *)((const char *)b + w.apart);
+    __m512 acc[2][MOST_ROWS];
+    load_sums(acc, c, add, rows);
     for (int64_t i = 0; i < depth / 2; i++) {
-        if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-        add_pairs(acc, a, lda, i, (__m512bh)_mm512_loadu_si512(b + i * 32), rows);
+        ask(w, i);
+        const __m512bh pairs[2] = {(__m512bh)_mm512_loadu_si512(b + i * 32), (__m512bh)_mm512_loadu_si512(b2 + i * 32)};
+        add_pairs(acc, a, lda, i, pairs, rows);
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+    store_sums(c, acc, rows);
 }
 
 /* Two values of k (pair row i) of a bfloat16 code panel, as a pair panel holds them: its 32 codes in pair order (column
@@ -249,24 +296,28 @@ static inline __attribute__((always_inline)) __m512bh rebuild_pair(const int8_t 
     return _mm512_cvtne2ps_pbh(second, first);
 }
 
-/* product() in bfloat16 for a chunk of bfloat16 code panel: each pair row rebuilt in registers as the pair panel's,
-   so the sums are the pair panels' to the bit. */
+/* product() in bfloat16 for a chunk of two bfloat16 code panels: each pair row rebuilt in registers as the pair
+   panel's, so the sums are the pair panels' to the bit. */
 template <typename X>
 static inline __attribute__((always_inline)) void coded_pair_product(const X *a, int64_t lda, const int8_t *codes,
                                                                      const int half, const float *scales,
-                                                                     const float *offsets, int64_t depth, float *c,
-                                                                     int add, const char *next, int64_t lines,
+                                                                     const float *offsets, const two_panels &w,
+                                                                     int64_t depth, float *c, int add,
                                                                      const int rows) {
-    __m512 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? _mm512_loadu_ps(c + r * 16) : _mm512_setzero_ps();
+    __m512 acc[2][MOST_ROWS];
+    load_sums(acc, c, add, rows);
     for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
-        const __m512 d = _mm512_loadu_ps(scales + i0 / BLOCK * 16), o = _mm512_loadu_ps(offsets + i0 / BLOCK * 16);
+        const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
+        const __m512 ds[2] = {_mm512_loadu_ps(d), _mm512_loadu_ps(d + w.scales_apart)};
+        const __m512 os[2] = {_mm512_loadu_ps(o), _mm512_loadu_ps(o + w.scales_apart)};
         for (int64_t i = i0 / 2; i < (i0 + BLOCK) / 2; i++) {
-            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-            add_pairs(acc, a, lda, i, rebuild_pair(codes, half, i, d, o), rows);
+            ask(w, i);
+            const __m512bh pairs[2] = {rebuild_pair(codes, half, i, ds[0], os[0]),
+                                       rebuild_pair(codes + w.apart, half, i, ds[1], os[1])};
+            add_pairs(acc, a, lda, i, pairs, rows);
         }
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(c + r * 16, acc[r]);
+    store_sums(c, acc, rows);
 }
 
 /* The 16 sums of a row rounded to bfloat16 (to nearest, ties to even) after the bias is added, the first `columns`
@@ -289,16 +340,15 @@ static inline void round_out(const float *c, const uint16_t *bias, int64_t colum
 }
 #endif
 
-/* One chunk of a panel met by `count` rows of x (at most GROUP), the first of them fetching `lines` of `next`. */
+/* One chunk of two panels met by `count` rows of x (at most GROUP), the first of them asking for the lines `w` names. */
 template <typename T, typename B>
-static void chunk(const T *x, int64_t k, int64_t count, const B *b, int64_t depth, float *c, int add, const char *next,
-                  int64_t lines) {
-    /* blocks of rows as even as MOST_ROWS at most allows (8 rows on AVX2: 4 and 4, not 6 and 2, whose 4 accumulators
-       wait on the FMAs' latency) */
+static void chunk(const T *x, int64_t k, int64_t count, const B *b, two_panels w, int64_t depth, float *c, int add) {
+    /* blocks of rows as even as MOST_ROWS at most allows (16 rows: 8 and 8, not 12 and 4, whose 8 accumulators wait
+       on the FMAs' latency) */
     const int64_t blocks = (count + MOST_ROWS - 1) / MOST_ROWS;
-    for (int64_t i = 0, r = 0; i < blocks; i++, lines = 0) {
+    for (int64_t i = 0, r = 0; i < blocks; i++, w.lines = 0) {
         const int64_t rows = count / blocks + (i < count % blocks);
-        WITH_ROWS(rows, product, x + r * k, k, b, depth, c + r * 16, add, next, lines)
+        WITH_ROWS(rows, product, x + r * k, k, b, w, depth, c + r * 16, add)
         r += rows;
     }
 }
@@ -313,43 +363,48 @@ static inline __attribute__((always_inline)) void decode(const int8_t *codes, co
     }
 }
 
-/* product() for at most MOST_ROWS rows meeting a chunk of code panel directly: each row of the chunk is rebuilt in
-   registers as decode() rebuilds it, so the sums are the same to the bit, without a trip through a buffer. */
+/* product() for at most MOST_ROWS rows meeting a chunk of two code panels directly: each row of the chunk is rebuilt
+   in registers as decode() rebuilds it, so the sums are the same to the bit, without a trip through a buffer. */
 static inline __attribute__((always_inline)) void coded_product(const float *a, int64_t lda, const int8_t *codes,
                                                                 const int half, const float *scales,
-                                                                const float *offsets, int64_t depth, float *c, int add,
-                                                                const char *next, int64_t lines, const int rows) {
-    row16 acc[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = add ? load16(c + r * 16) : zero16();
+                                                                const float *offsets, const two_panels &w,
+                                                                int64_t depth, float *c, int add, const int rows) {
+    row16 acc[2][MOST_ROWS];
+    load_sums(acc, c, add, rows);
     for (int64_t i0 = 0; i0 < depth; i0 += BLOCK) {
-        const row16 d = load16(scales + i0 / BLOCK * 16), o = load16(offsets + i0 / BLOCK * 16);
+        const float *d = scales + i0 / BLOCK * 16, *o = offsets + i0 / BLOCK * 16;
+        const row16 ds[2] = {load16(d), load16(d + w.scales_apart)}, os[2] = {load16(o), load16(o + w.scales_apart)};
         for (int64_t i = i0; i < i0 + BLOCK; i++) {
-            if (i < lines) _mm_prefetch(next + i * 64, _MM_HINT_T0);
-            const row16 bi = rebuild(codes, half, i, d, o);
-            for (int r = 0; r < rows; r++) acc[r] = fma16(a[r * lda + i], bi, acc[r]);
+            ask(w, i);
+            const row16 first = rebuild(codes, half, i, ds[0], os[0]);
+            const row16 second = rebuild(codes + w.apart, half, i, ds[1], os[1]);
+            for (int r = 0; r < rows; r++) {
+                acc[0][r] = fma16(a[r * lda + i], first, acc[0][r]);
+                acc[1][r] = fma16(a[r * lda + i], second, acc[1][r]);
+            }
         }
     }
-    for (int r = 0; r < rows; r++) store16(c + r * 16, acc[r]);
+    store_sums(c, acc, rows);
 }
 
-/* A chunk of code panel met by `count` rows of x, at most MOST_ROWS (`half` a constant where it is inlined). */
+/* A chunk of two code panels met by `count` rows of x, at most MOST_ROWS (`half` a constant where it is inlined). */
 template <typename T>
 static inline __attribute__((always_inline)) void coded_chunk(const T *x, int64_t k, int64_t count,
                                                               const int8_t *codes, const int half, const float *scales,
-                                                              const float *offsets, int64_t depth, float *c, int add,
-                                                              const char *next, int64_t lines) {
-    WITH_ROWS(count, coded_product, x, k, codes, half, scales, offsets, depth, c, add, next, lines)
+                                                              const float *offsets, const two_panels &w, int64_t depth,
+                                                              float *c, int add) {
+    WITH_ROWS(count, coded_product, x, k, codes, half, scales, offsets, w, depth, c, add)
 }
 
 #if defined(__AVX512BF16__)
-/* coded_chunk() of a bfloat16 code panel, for rows of bfloat16 or widened to float32. */
+/* coded_chunk() of two bfloat16 code panels, for rows of bfloat16 or widened to float32. */
 template <typename X>
 static inline __attribute__((always_inline)) void coded_pair_chunk(const X *x, int64_t k, int64_t count,
                                                                    const int8_t *codes, const int half,
                                                                    const float *scales, const float *offsets,
-                                                                   int64_t depth, float *c, int add, const char *next,
-                                                                   int64_t lines) {
-    WITH_ROWS(count, coded_pair_product, x, k, codes, half, scales, offsets, depth, c, add, next, lines)
+                                                                   const two_panels &w, int64_t depth, float *c,
+                                                                   int add) {
+    WITH_ROWS(count, coded_pair_product, x, k, codes, half, scales, offsets, w, depth, c, add)
 }
 #endif
 
@@ -556,13 +611,14 @@ static bool on_tiles(int64_t) { return false; }
 #endif
 
 /* y[m, n] = x[m, k] W^T (+ bias[n]); x and y contiguous, of float32 (T float) or bfloat16 (T uint16_t), from the
-   weight's code panels where `coded`, else its float or pair panels. Panels are shared out among the threads. */
+   weight's code panels where `coded`, else its float or pair panels. Panels are shared out among the threads two at a
+   time, side by side. */
 template <typename T>
 static void linear(const struct prefixgate_linear_weight *w, const int coded, const T *x, int64_t m, T *y) {
     constexpr bool pairs = sizeof(T) == 2;
     const int64_t n = w->n, k = w->k, count = (n + 15) / 16;
-    /* bytes a row of a panel (16 values of one k) takes */
-    const int64_t stride = coded ? w->bits * 2 : pairs ? 32 : 64;
+    /* bytes a row of a panel (16 values of one k) takes, and a whole panel: panels lie one after the other */
+    const int64_t stride = coded ? w->bits * 2 : pairs ? 32 : 64, apart = k * stride;
     const int half = coded && w->bits == 4;
     const char *panels = coded ? (const char *)w->codes : pairs ? (const char *)w->pairs : (const char *)w->panels;
 #if PAIRS_ON_FMA
@@ -577,15 +633,19 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
     for (int64_t g = 0; g < m; g += GROUP) {
         const int64_t rows = m - g < GROUP ? m - g : GROUP;
 #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < count; p++) {
-            float c[GROUP * 16] __attribute__((aligned(64)));
-            float decoded[CHUNK * 16] __attribute__((aligned(64)));
-            const char *panel = panels + p * k * stride;
+        for (int64_t p = 0; p < count; p += 2) { /* panels p and p + 1, or p twice where it is the last */
+            const int both = p + 1 < count;
+            float c[2 * GROUP * 16] __attribute__((aligned(64)));
+            float decoded[2 * CHUNK * 16] __attribute__((aligned(64)));
+            const char *panel = panels + p * apart;
             for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
                 const int64_t depth = k - k0 < CHUNK ? k - k0 : CHUNK;
-                /* the next chunk, or the next panel's first: panels lie one after the other */
-                const char *next = panel + (k0 + depth) * stride;
-                const int64_t lines = p + 1 < count || k0 + depth < k ? depth * stride / 64 : 0;
+                /* the next chunks: these panels', or the next two panels' first (past the last panel where it is
+                   alone: a prefetch is a hint, and asks for no more than a line) */
+                const int64_t after = k0 + depth;
+                two_panels two = {both ? apart : 0, both ? k / BLOCK * 16 : 0,
+                                  after < k ? panel + after * stride : panel + 2 * apart, apart,
+                                  p + 2 < count || after < k ? depth * stride / 64 : 0};
                 const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
                 const float *scales = coded ? w->scales + block : nullptr;
                 const float *offsets = coded ? w->offsets + block : nullptr;
@@ -598,34 +658,43 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
 #endif
 #if defined(__AVX512BF16__)
                     const int add = k0 > 0;
-                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, add, next, lines);
-                    else if (half) coded_pair_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, add, next, lines);
-                    else coded_pair_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, add, next, lines);
+                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), two, depth, c, add);
+                    else if (half) coded_pair_chunk(xs, k, rows, codes, 1, scales, offsets, two, depth, c, add);
+                    else coded_pair_chunk(xs, k, rows, codes, 0, scales, offsets, two, depth, c, add);
 #endif
                 } else {
                     const T *xs = x + g * k + k0;
-                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), depth, c, k0 > 0, next, lines);
+                    if (!coded) chunk(xs, k, rows, (const T *)(panel + k0 * stride), two, depth, c, k0 > 0);
                     else if (rows <= MOST_ROWS && half)
-                        coded_chunk(xs, k, rows, codes, 1, scales, offsets, depth, c, k0 > 0, next, lines);
+                        coded_chunk(xs, k, rows, codes, 1, scales, offsets, two, depth, c, k0 > 0);
                     else if (rows <= MOST_ROWS)
-                        coded_chunk(xs, k, rows, codes, 0, scales, offsets, depth, c, k0 > 0, next, lines);
-                    else {
-                        if (half) decode(codes, 1, scales, offsets, depth, decoded);
-                        else decode(codes, 0, scales, offsets, depth, decoded);
-                        chunk(xs, k, rows, (const float *)decoded, depth, c, k0 > 0, next, lines);
+                        coded_chunk(xs, k, rows, codes, 0, scales, offsets, two, depth, c, k0 > 0);
+                    else { /* both panels' chunks rebuilt as floats, side by side */
+                        for (int q = 0; q <= both; q++) {
+                            const int8_t *from = codes + q * apart;
+                            float *to = decoded + q * CHUNK * 16;
+                            const int64_t more = q * k / BLOCK * 16;
+                            if (half) decode(from, 1, scales + more, offsets + more, depth, to);
+                            else decode(from, 0, scales + more, offsets + more, depth, to);
+                        }
+                        two.apart = both ? CHUNK * 16 * sizeof(float) : 0;
+                        chunk(xs, k, rows, (const float *)decoded, two, depth, c, k0 > 0);
                     }
                 }
             }
-            const int64_t columns = n - p * 16 < 16 ? n - p * 16 : 16;
-            for (int64_t r = 0; r < rows; r++) {
-                T *out = y + (g + r) * n + p * 16;
-                if constexpr (pairs) {
+            for (int64_t q = 0; q <= both; q++) {
+                const int64_t columns = n - (p + q) * 16 < 16 ? n - (p + q) * 16 : 16;
+                for (int64_t r = 0; r < rows; r++) {
+                    T *out = y + (g + r) * n + (p + q) * 16;
+                    const float *sums = c + q * GROUP * 16 + r * 16;
+                    if constexpr (pairs) {
 #if defined(__AVX512BF16__)
-                    round_out(c + r * 16, w->bias ? (const uint16_t *)w->bias + p * 16 : nullptr, columns, out);
+                        round_out(sums, w->bias ? (const uint16_t *)w->bias + (p + q) * 16 : nullptr, columns, out);
 #endif
-                } else {
-                    const float *bias = (const float *)w->bias;
-                    for (int64_t j = 0; j < columns; j++) out[j] = c[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+                    } else {
+                        const float *bias = (const float *)w->bias;
+                        for (int64_t j = 0; j < columns; j++) out[j] = sums[j] + (bias ? bias[(p + q) * 16 + j] : 0.0f);
+                    }
                 }
             }
         }

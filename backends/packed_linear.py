@@ -33,10 +33,12 @@ kernel's bfloat16 products (`vdpbf16ps`, sums in float32, each output rounded on
 it does half the multiply-adds a second that FMAs do, float32 FMAs on the same values, the same sums: see
 cpu_linear.cpp): oneDNN's kernels lose to it on the few rows of a decode step (SmolLM2's 211 layers on 2 cores of a Xeon
 with AMX: 11.6 ms for one row against 17.4 in an idle hour, 17.9 against 27.4 in a busy one) and, on AMX's tiles, win
-past 8 rows; without AMX they lose up to a whole pass of 64 rows (on a Xeon without it, 0.58 of oneDNN's time for 8
-rows, 0.75 for 16, 0.90 for 64, about the same for 128). So the operator gives it up to `pair_rows()` rows (8 with AMX,
-64 without) and calls oneDNN's product on its layout, from C++, for more. The copy doubles the linear weights' memory
-(SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the memory free at load. A bfloat16 layer
+past 8 rows; without AMX, on the same dot products, they lose up to a whole pass of 64 rows (on a Xeon without it, 0.59
+of oneDNN's time for 8 rows, 0.74 for 16, 0.95 for 64, about the same past it), and against the FMAs at every count
+(0.47 for 8 rows, 0.64 for 64, 0.75 for 512). So the operator gives it up to `pair_rows()` rows (8 with AMX, 64 on dot
+products without it, every count on FMAs) and calls oneDNN's product on its layout, from C++, for more. The copy
+doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the
+memory free at load. A bfloat16 layer
 rounded from a float32 weight that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them;
 `_float32_sources`) is also laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and
 rounds them to bfloat16 as torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes
@@ -320,11 +322,11 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
     paired = [layer for layer in kept if "pairs" in layer.layout]
     if paired:
         _log.info(
-            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes steps "
-            "of up to %d rows (%.0f MB more)",
+            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes %s "
+            "(%.0f MB more)",
             len(paired),
             len(kept),
-            pair_rows(),
+            "every step" if pair_rows() is None else f"steps of up to {pair_rows()} rows",
             sum(layer.layout["pairs"].nbytes for layer in paired) / 1e6,
         )
     codes = [layer for layer in kept if "codes" in layer.layout]
@@ -491,10 +493,14 @@ def bfloat16_products() -> bool:
     return _BF16_FLAGS[-1] in _flags() and _kernel()  # no build where it could not take them
 
 
-def pair_rows() -> int:
+def pair_rows() -> int | None:
     """Return the most rows a bfloat16 product takes on the kernel's pair panels, oneDNN's taking more (PAIR_ROWS in
-    cpu_linear.cpp): 8 where the kernel is built with AMX, whose tiles oneDNN's products then run on, else 64."""
-    return 8 if amx_products() else 64
+    cpu_linear.cpp): 8 where the kernel is built with AMX, whose tiles oneDNN's products then run on; None (every
+    count) where its products run on float32 FMAs; else 64."""
+    if amx_products():
+        return 8
+    on_fma = bfloat16_products() and _ON_FMA_FLAGS[0] in _built[0]
+    return None if on_fma else 64
 
 
 def amx_products() -> bool:

@@ -12,9 +12,10 @@ not build (it needs AVX2, FMA and a C++ compiler), it says so and stops.
 
 Where the kernel takes bfloat16 (AVX-512 BF16), a second table: the same layers in bfloat16 as a server packs them (the
 kernel's code panels, read from the float32 weights in the model's folder, for up to 5 rows, its pair panels past them
-up to 64 rows, oneDNN's layout past those, called from C++; where the CPU has AMX, the codes for up to 512 rows, 2 or
-more on its tiles), as it packs a bfloat16 layer that is not codes (pair panels for up to 64 rows, 8 with AMX, oneDNN's
-past them), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the
+up to `pair_rows()` rows, oneDNN's layout past those, called from C++; where the CPU has AMX, the codes for up to 512
+rows, 2 or more on its tiles), as it packs a bfloat16 layer that is not codes (pair panels for up to `pair_rows()`
+rows, oneDNN's past them: 8 rows with AMX, 64 on AVX-512 BF16's dot products, every count where the kernel's products
+run on FMAs), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the
 kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
 """
 
@@ -126,12 +127,14 @@ def bfloat16() -> None:
 
             times = median_ms([lambda: run(codes), lambda: run(pairs), lambda: run(onednn)])
             rows.append([str(count), *(f"{ms:.1f} ms" for ms in times), f"{reading:.1f} ms"])
+    most = packed_linear.pair_rows()
+    pairs_to = "past" if most is None else f"to {most}, oneDNN past"
     columns = [
         "rows",
         "as served: codes to 512 rows (AMX's tiles from 2), oneDNN past"
         if packed_linear.amx_products()
-        else f"as served: codes to 5 rows, pairs to {packed_linear.pair_rows()}, oneDNN past",
-        f"pairs alone: to {packed_linear.pair_rows()} rows, oneDNN past",
+        else f"as served: codes to 5 rows, pairs {pairs_to}",
+        "pairs alone" if most is None else f"pairs alone: to {most} rows, oneDNN past",
         "oneDNN's layout (Python operator)",
     ]
     table([*columns, "reading the weights"], rows)

@@ -97,9 +97,9 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
 def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_and_give_the_eager_logits(
     make_backend: BackendFactory, tokenizer: PreTrainedTokenizerFast
 ) -> None:
-    # Up to `pair_rows()` rows a product runs on the kernel's pair panels (8 with AMX, 64 without), more on oneDNN's
-    # layout called from the same C++ operator: a compiled step calls it either way, with no branch on the row count in
-    # the graph.
+    # Up to `pair_rows()` rows a product runs on the kernel's pair panels (8 with AMX, 64 on dot products without it,
+    # every count on FMAs), more on oneDNN's layout called from the same C++ operator: a compiled step calls it either
+    # way, with no branch on the row count in the graph.
     model = as_blocks(make_llama(tokenizer), torch.bfloat16)
     backend = make_backend(model, compile_steps=True, prepack_weights=True)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -110,14 +110,19 @@ def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_a
     compiled, eager = backend._runner, ModelRunner(model)
     g = backend.geometry
     most = packed_linear.pair_rows()
-    prompt = make_prompt(most + 8)
+    rows = most or 64  # and one row more
+
+    def past(count: int) -> bool:
+        return most is not None and count > most
+
+    prompt = make_prompt(rows + 8)
     for step, onednn in (
         (lambda kv: [StepInput(prompt[:1], kv[0], 0)], False),  # one row
         (lambda kv: [StepInput(prompt[5:6], kv[i], 20 + i) for i in range(3)], False),  # three decoding streams
-        (lambda kv: [StepInput(prompt[:13], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], most < 14),  # 14 rows
-        (lambda kv: [StepInput(prompt[:most], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], True),  # one row more
+        (lambda kv: [StepInput(prompt[:13], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], past(14)),  # 14 rows
+        (lambda kv: [StepInput(prompt[:rows], kv[0], 0), StepInput(prompt[5:6], kv[1], 20)], past(rows + 1)),
     ):
-        buffers = [torch.randn((g.layers, 2, g.kv_heads, most + 8, g.head_dim), dtype=torch.bfloat16) for _ in range(3)]
+        buffers = [torch.randn((g.layers, 2, g.kv_heads, rows + 8, g.head_dim), dtype=torch.bfloat16) for _ in range(3)]
         copies = [buffer.clone() for buffer in buffers]
         with torch.inference_mode(), attention_calls() as calls, profile(activities=[ProfilerActivity.CPU]) as ran:
             logits = compiled.run(step(buffers))

@@ -413,8 +413,9 @@ static inline __attribute__((always_inline)) void coded_pair_chunk(const X *x, i
    [n / 16][k / BLOCK][16] (k a multiple of BLOCK); or, `bfloat16`, pair panels [n / 16][k / 2][16][2] (k even), and
    where the weight was rounded from codes, bfloat16 code panels [n / 16][k / 2][32] (or [n / 16][k / 2][16] bytes) with
    their scales and offsets as above. The pointers not used, and a missing bias, are NULL. `onednn`: for bfloat16, the
-   same weight laid out for oneDNN (its tensor, which the layer keeps), which takes more than PAIR_ROWS rows; a weight
-   has it exactly where it takes bfloat16 rows. */
+   same weight laid out for oneDNN (its tensor, which the layer keeps), which takes more than PAIR_ROWS rows, and rows
+   where the weight has no pair panels; NULL where the pair panels take every count (PAIR_ROWS without a bound). A
+   weight takes bfloat16 rows exactly where it has pair panels or oneDNN's layout. */
 struct prefixgate_linear_weight {
     int64_t n, k;
     const float *panels;
@@ -712,7 +713,7 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
 static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
     const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight);
-    const bool bfloat16 = w->onednn != nullptr;
+    const bool bfloat16 = w->pairs != nullptr || w->onednn != nullptr;
     const auto dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
                 bfloat16 ? "bfloat16" : "float32", " rows on a CPU for this weight");
@@ -725,6 +726,7 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
     const bool tiles = bfloat16 && w->codes && on_tiles(m);
     const int coded = w->codes && (!bfloat16 || m <= CODED_PAIR_ROWS);
     if (bfloat16 && !tiles && !coded && (m > PAIR_ROWS || !w->pairs)) {  /* no pair panels beside tiles' codes */
+        TORCH_CHECK(w->onednn, "linear_panels: ", m, " bfloat16 rows need oneDNN's layout, which this weight lacks");
         static const auto onednn =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -36,9 +36,9 @@ with AMX: 11.6 ms for one row against 17.4 in an idle hour, 17.9 against 27.4 in
 past 8 rows; without AMX, on the same dot products, they lose up to a whole pass of 64 rows (on a Xeon without it, 0.59
 of oneDNN's time for 8 rows, 0.74 for 16, 0.95 for 64, about the same past it), and against the FMAs at every count
 (0.47 for 8 rows, 0.64 for 64, 0.75 for 512). So the operator gives it up to `pair_rows()` rows (8 with AMX, 64 on dot
-products without it, every count on FMAs) and calls oneDNN's product on its layout, from C++, for more. The copy
-doubles the linear weights' memory (SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the
-memory free at load. A bfloat16 layer
+products without it, every count on FMAs) and calls oneDNN's product on its layout, from C++, for more. Where it
+takes every count, the pair panels replace oneDNN's layout; elsewhere the copy doubles the linear weights' memory
+(SmolLM2: 270 MB more), so it is made only where it takes at most an eighth of the memory free at load. A bfloat16 layer
 rounded from a float32 weight that is exactly GGUF blocks (the embedded SmolLM2's, whose converted folder holds them;
 `_float32_sources`) is also laid out as those codes, in pair order: the kernel rebuilds each two weights in float32 and
 rounds them to bfloat16 as torch rounded the weight, so its sums are the pair panels' to the bit from fewer bytes
@@ -109,16 +109,18 @@ class PackedLinear(torch.nn.Module):
         self.layout: dict[str, torch.Tensor] = {}
         self.described: _Weight | None = None
         self.address = self.number = 0
+        self.packed: torch.Tensor | None = None  # oneDNN's opaque layout of the weight, where it has one
         # The weight as torch holds it, for products of more than 64 rows where MKL's are the faster (`mkl_past_64`)
         self.plain: torch.Tensor | None = None
         with torch.no_grad():
             if weight.dtype != torch.float32 or not _kernel():
-                # oneDNN's opaque layout of the [out_features, in_features] weight
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-                self.number = next(_NUMBERS)
-                _LAYERS[self.number] = self
-                if pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products():
-                    # and the kernel's layouts: pair panels for up to `pair_rows()` rows, and before them its codes in
+                paired = pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products()
+                if not (paired and pair_rows() is None):  # oneDNN's, unless the pair panels take every count
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+                    self.number = next(_NUMBERS)
+                    _LAYERS[self.number] = self
+                if paired:
+                    # the kernel's layouts: pair panels for up to `pair_rows()` rows, and before them its codes in
                     # pair order for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++
                     # object, which `packed` keeps) takes more. Where the codes take 2 to 512 rows on AMX's tiles, no
                     # count of rows reads pair panels, and none are made.
@@ -129,7 +131,8 @@ class PackedLinear(torch.nn.Module):
                         layouts["scales"], layouts["offsets"] = _panels(found[1]), _panels(found[2])
                     if not (layouts and amx_products()):
                         layouts["pairs"] = _pairs(weight)
-                    self._describe(**layouts, bits=bits, onednn=self.packed._cdata)
+                    onednn = None if self.packed is None else self.packed._cdata
+                    self._describe(**layouts, bits=bits, onednn=onednn)
             else:
                 if found is None and codes:
                     found = block_codes(weight)
@@ -321,17 +324,20 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
     """Say in the log how the kernel holds the packed layers: codes, pair panels, and the memory they take."""
     paired = [layer for layer in kept if "pairs" in layer.layout]
     if paired:
+        most = pair_rows()
         _log.info(
-            "%d of %d bfloat16 linear layers are laid out for the C++ kernel beside oneDNN's layout: it takes %s "
-            "(%.0f MB more)",
+            "%d of %d bfloat16 linear layers are laid out for the C++ kernel %s (%.0f MB%s)",
             len(paired),
             len(kept),
-            "every step" if pair_rows() is None else f"steps of up to {pair_rows()} rows",
+            "instead of oneDNN's layout: it takes every step"
+            if most is None
+            else f"beside oneDNN's layout: it takes steps of up to {most} rows",
             sum(layer.layout["pairs"].nbytes for layer in paired) / 1e6,
+            "" if most is None else " more",
         )
     codes = [layer for layer in kept if "codes" in layer.layout]
     held = sum(layer.layout[part].nbytes for layer in codes for part in ("codes", "scales", "offsets"))
-    if any(hasattr(layer, "packed") for layer in codes):  # bfloat16 layers, beside oneDNN's layout
+    if any(layer.packed is not None or "pairs" in layer.layout for layer in codes):  # bfloat16 layers
         _log.info(
             "%d of %d bfloat16 linear layers also read the GGUF codes their float32 weights are, rebuilding the "
             "bfloat16 weights to the bit, for products of %s (%.0f MB more)",
@@ -354,9 +360,10 @@ def _log_layouts(kept: list[PackedLinear]) -> None:
 def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> bool:
     """Say whether a bfloat16 model's linear weights may be laid out for the kernel beside oneDNN's layout: where the
     kernel takes bfloat16 and the layouts take at most an eighth of the memory free now: pair panels, a second copy of
-    the weights (SmolLM2's: 270 MB; a model of 8 billion parameters would double its 16 GB), and for a weight with a
-    float32 original in `sources` its codes at most (int8, and a float32 scale and offset for each 32: 1.25 bytes a
-    weight; SmolLM2's are 115 MB), which on AMX's tiles are made instead of its pair panels."""
+    the weights (SmolLM2's: 270 MB; a model of 8 billion parameters would double its 16 GB) unless they take every
+    count of rows and replace oneDNN's layout, and for a weight with a float32 original in `sources` its codes at most
+    (int8, and a float32 scale and offset for each 32: 1.25 bytes a weight; SmolLM2's are 115 MB), which on AMX's tiles
+    are made instead of its pair panels."""
     weights = {  # those laid out so (an even width), each once however many layers share it
         id(m.weight): m.weight
         for m in model.modules()
@@ -368,8 +375,8 @@ def _pairs_fit(model: torch.nn.Module, sources: dict[int, tuple[Path, str]]) -> 
     # what `_pairs` makes of each, its rows padded to 16, and its codes where they may be found (on AMX's tiles, the
     # codes instead of the pair panels: at most the panels' 2 bytes a weight)
     padded = {key: (w.shape[0] + 15) // 16 * 16 * w.shape[1] for key, w in weights.items()}
-    codes = 0 if amx_products() else 1.25
-    needed = sum(values * (2 + (codes if key in sources else 0)) for key, values in padded.items())
+    codes, pairs = 0 if amx_products() else 1.25, 0 if pair_rows() is None else 2
+    needed = sum(values * (pairs + (codes if key in sources else 0)) for key, values in padded.items())
     if needed > free // 8:
         _log.info(
             "bfloat16 linear layers stay oneDNN's alone: the C++ kernel's layout beside it could take %.0f MB, more "
@@ -489,7 +496,7 @@ def _flags() -> tuple[str, ...]:
 
 def bfloat16_products() -> bool:
     """Say whether the kernel takes bfloat16 layers here: where it builds with AVX-512 BF16 (for up to `pair_rows()`
-    rows, beside oneDNN's layout)."""
+    rows, beside oneDNN's layout, or instead of it where that is every count)."""
     return _BF16_FLAGS[-1] in _flags() and _kernel()  # no build where it could not take them
 
 

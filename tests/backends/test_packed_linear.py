@@ -413,6 +413,8 @@ def test_a_float32_original_gone_since_it_was_listed_gives_no_codes_and_says_so(
 def test_bfloat16_layers_get_the_kernels_layout_only_where_it_takes_an_eighth_of_the_free_memory_at_most(
     llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # pair panels beside oneDNN's layout, as on AMD's CPUs and with AMX (on FMAs they replace it: the next test)
+    monkeypatch.setattr(packed_linear, "pair_rows", lambda: 64)
     model = copy.deepcopy(llama).to(torch.bfloat16)
     model.add_module("odd", torch.nn.Linear(37, 50).to(torch.bfloat16))  # an odd width: oneDNN's layout alone
     probe = copy.deepcopy(model)
@@ -434,6 +436,34 @@ def test_bfloat16_layers_get_the_kernels_layout_only_where_it_takes_an_eighth_of
         assert all(("pairs" in layer.layout) is (paired and layer.in_features % 2 == 0) for layer in layers)
         assert ("bfloat16 linear layers stay oneDNN's alone" in caplog.text) is not paired
         caplog.clear()
+
+
+@needs_bfloat16_kernel
+@pytest.mark.skipif(packed_linear.pair_rows() is not None, reason="the pair panels take a bounded count of rows here")
+def test_where_the_pair_panels_take_every_count_of_rows_they_replace_onednns_layout_whatever_the_free_memory(
+    llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = copy.deepcopy(llama).to(torch.bfloat16)
+    model.add_module("odd", torch.nn.Linear(37, 50).to(torch.bfloat16))  # an odd width: oneDNN's layout alone
+    lone = torch.nn.Linear(64, 48).to(torch.bfloat16)  # three panels of 16 outputs: the last one met alone
+    weight = lone.weight.detach().clone()
+    model.add_module("lone", lone)
+    # two pages free: no copy of the weights would fit, and the pair panels are no copy
+    monkeypatch.setattr(packed_linear.os, "sysconf", lambda name: 2 if name == "SC_AVPHYS_PAGES" else 4096)
+    with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+        assert prepack_linear_weights(model) > 0
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert "instead of oneDNN's layout: it takes every step" in caplog.text
+    for layer in layers:
+        paired = layer.in_features % 2 == 0
+        assert ("pairs" in layer.layout) is paired and (layer.packed is None) is paired
+    layer = model.get_submodule("lone")
+    assert isinstance(layer, PackedLinear)
+    x = torch.randn(600, 64, dtype=torch.bfloat16)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as ran:
+        for rows in (1, 8, 64, 65, 600):  # a decode step to a prompt's chunk past 512, all on the pair panels
+            assert torch.equal(layer(x[:rows]), in_pairs_order(x[:rows], weight, layer.bias))
+    assert "mkldnn::_linear_pointwise" not in {event.key for event in ran.key_averages()}
 
 
 AVX2_PRODUCTS = """

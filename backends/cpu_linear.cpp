@@ -644,9 +644,11 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
                 /* the next chunks: these panels', or the next two panels' first (past the last panel where it is
                    alone: a prefetch is a hint, and asks for no more than a line) */
                 const int64_t after = k0 + depth;
-                two_panels two = {both ? apart : 0, both ? k / BLOCK * 16 : 0,
-                                  after < k ? panel + after * stride : panel + 2 * apart, apart,
-                                  p + 2 < count || after < k ? depth * stride / 64 : 0};
+                two_panels two = {.apart = both ? apart : 0,
+                                  .scales_apart = both ? k / BLOCK * 16 : 0,
+                                  .next = after < k ? panel + after * stride : panel + 2 * apart,
+                                  .next_apart = apart,
+                                  .lines = p + 2 < count || after < k ? depth * stride / 64 : 0};
                 const int64_t block = (p * k + k0) / BLOCK * 16; /* the chunk's first d and o */
                 const float *scales = coded ? w->scales + block : nullptr;
                 const float *offsets = coded ? w->offsets + block : nullptr;

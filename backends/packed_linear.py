@@ -121,9 +121,9 @@ class PackedLinear(torch.nn.Module):
                     _LAYERS[self.number] = self
                 if paired:
                     # the kernel's layouts: pair panels for up to `pair_rows()` rows, and before them its codes in
-                    # pair order for up to 5, where they rebuild the weight; oneDNN's layout (by the address of its C++
-                    # object, which `packed` keeps) takes more. Where the codes take 2 to 512 rows on AMX's tiles, no
-                    # count of rows reads pair panels, and none are made.
+                    # pair order for up to 5, where they rebuild the weight; oneDNN's layout, where it is made (by the
+                    # address of its C++ object, which `packed` keeps), takes more. Where the codes take 2 to 512 rows
+                    # on AMX's tiles, no count of rows reads pair panels, and none are made.
                     layouts: dict[str, torch.Tensor] = {}
                     bits = 0
                     if found is not None and torch.equal(_rebuilt(*found).to(torch.bfloat16), weight):

@@ -15,9 +15,17 @@
    Where `vdpbf16ps` is the slower (on a Xeon without AMX, a loop of independent ones ran a quarter as many a second as
    one of FMAs: half the multiply-adds) this is the faster: SmolLM2's 30 layers over a 4k prefix on 2 cores of that
    Xeon, the two builds in turn in one process, 8 decoding streams 0.75x the time, 16 0.79x, 8 prompts of 28 tokens
-   0.77x; whole compiled steps on that prefix (step_bench.py --attention-against) 0.89x, 0.86x and 0.82x. Converting
-   each chunk's keys and values to float32 once, as they were packed, instead of as the products read them, took 1.11x
-   to 1.18x as long for decoding streams (0.96x for the prompts). */
+   0.77x; whole compiled steps on that prefix (step_bench.py --attention-against) 0.89x, 0.86x and 0.82x.
+   The products on FMAs read each chunk where it lies, 32 keys (their keys, then their values) made float32 at a time
+   for every row, and each pass of them over its rows asks for a share of the next chunk, a line of each a step. Before,
+   they packed each chunk first, widened each pair as a product read it (once for every 8 rows of the scores, every 4
+   of the outputs), and asked for the next chunk at each step of the scores and each row's exponentials, 32 lines of
+   each at a time: the same 30 layers, the two builds in turn in one process (attention_bench.py --from-memory
+   --against DIR, the same Xeon), one stream took 0.68x the time, 8 streams 0.88x, 16 streams 0.85x, 16 over a 7k
+   prefix 0.87x, 16 prompts of 27 tokens 0.98x; compiled steps on the 4k prefix (step_bench.py --attention-against
+   DIR) 0.89x, 0.94x and 0.96x for 1, 8 and 16 streams, 0.98x for 8 prompts of 28 tokens. (A whole chunk's keys and
+   values made float32 as they were packed, 64 KB each at d 64, had taken 1.11x to 1.18x as long for decoding
+   streams.) */
 #if !defined(ON_FMA) || AMX
 #undef ON_FMA
 #define ON_FMA 0
@@ -96,6 +104,11 @@ typedef struct {
 #if ON_FMA
     float float_queries[ROWS * MAX_DIM] __attribute__((aligned(64)));      /* the block's queries as float32 */
     float float_probabilities[ROWS * KEYS] __attribute__((aligned(64)));  /* and its probabilities */
+    float float_keys[MAX_DIM / 2 * 64] __attribute__((aligned(64)));      /* 32 keys as float32 (float_keys()) */
+    float float_values[32 * MAX_DIM] __attribute__((aligned(64)));        /* their values (float_values()) */
+    const uint16_t *chunk_k, *chunk_v;  /* the chunk's keys and values, where the products read them */
+    ahead_of *ahead;                    /* the next chunk's, which each pass of the products asks a share of */
+    int64_t chunk_keys;
 #endif
 } scratch;
 
@@ -136,12 +149,19 @@ static inline void pack_values(const uint16_t *v, int64_t n, int64_t d, int64_t 
 }
 
 /* Pack keys [0, n) of K and V (rows of d) for the products of `rows` query rows; keys past n are zeros. Where AMX
-   takes a whole chunk for at most ROWS rows (one block), they are left where they are, for attend_few. */
+   takes a whole chunk for at most ROWS rows (one block), they are left where they are, for attend_few; on FMAs the
+   products read every chunk where it is, 32 keys made float32 at a time. */
 static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
     const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     const int in_place = AMX && rows <= ROWS && n == KEYS;
     w->in_place = in_place ? k : NULL;
     w->in_place_values = in_place ? v : NULL;
+#if ON_FMA
+    w->chunk_k = k;
+    w->chunk_v = v;
+    w->chunk_keys = n;
+    return;
+#endif
     if (in_place) return;
     for (int64_t g = 0; g < padded; g += 16) {
         const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
@@ -242,8 +262,6 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 #else
 #define SCORE_KEYS 32
 
-typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
-
 #if ON_FMA
 /* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
 static inline __attribute__((always_inline)) void as_floats(__m512i pairs, __m512 floats[2]) {
@@ -257,7 +275,185 @@ static inline void widen(const uint16_t *from, int64_t count, float *to) {
         _mm512_store_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
 }
-#endif
+
+/* A pass's share of the next chunk (take_ahead): `lines` lines of its keys and of its values, at k and v, asked for
+   into the second-level cache one of each a step of the pass's loop, so that they come while its products run. */
+typedef struct {
+    const char *k, *v;
+    int64_t lines;
+} share;
+
+static inline share take_share(ahead_of *ahead) {
+    share s;
+    s.lines = take_ahead(ahead, &s.k, &s.v);
+    return s;
+}
+
+static inline __attribute__((always_inline)) void ask_line(const share *s, int64_t i) {
+    if (i < s->lines) {
+        _mm_prefetch(s->k + i * 64, _MM_HINT_T1);
+        _mm_prefetch(s->v + i * 64, _MM_HINT_T1);
+    }
+}
+
+/* The lines of a share that its pass's steps did not ask for, from line `from` on. */
+static inline __attribute__((always_inline)) void ask_rest(const share *s, int64_t from) {
+    for (int64_t i = from; i < s->lines; i++) ask_line(s, i);
+}
+
+/* The chunk's keys [g, g + 32) as float32, into w->float_keys: per column pair, the first column of keys g to g + 15
+   and their second, then the same of keys g + 16 to g + 31 (zeros from the chunk's last key on). Made as the scores
+   reach them, read where they lie: 8 KB at d 64, which stay in the nearest cache while every row's products read
+   them. */
+static void float_keys(scratch *w, int64_t g, int64_t d) {
+    for (int64_t half = 0; half < 2; half++) {
+        const int64_t from = g + 16 * half, left = w->chunk_keys - from;
+        const int64_t keys = left >= 16 ? 16 : (left > 0 ? left : 0);
+        for (int64_t slab = 0; slab < d / 32; slab++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = i < keys ? _mm512_loadu_si512(w->chunk_k + (from + i) * d + slab * 32) : _mm512_setzero_si512();
+            transpose16(r);  /* r[c]: column pair slab * 16 + c of the 16 keys */
+            for (int64_t c = 0; c < 16; c++) {
+                __m512 f[2];
+                as_floats(r[c], f);
+                float *to = w->float_keys + ((slab * 16 + c) * 4 + half * 2) * 16;
+                _mm512_store_ps(to, f[0]);
+                _mm512_store_ps(to + 16, f[1]);
+            }
+        }
+    }
+}
+
+/* Scores of `rows` query rows from r0 against keys [g, g + 32) in w->float_keys, two accumulators a row: each vector
+   of keys loaded once for the rows, each row's column broadcast once for both. A pair's second column is added to
+   every accumulator before its first, the order `vdpbf16ps` adds them in. */
+static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t g, int64_t r0, const int rows,
+                                                             int64_t d) {
+    __m512 acc[12][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float *q = w->float_queries + r0 * d;
+    const share next = take_share(w->ahead);
+    for (int64_t pair = 0; pair < d / 2; pair++) {
+        ask_line(&next, pair);
+        for (int u = 1; u >= 0; u--) {
+            const float *k = w->float_keys + pair * 64 + 16 * u;
+            const __m512 k0 = _mm512_load_ps(k), k1 = _mm512_load_ps(k + 32);
+            for (int r = 0; r < rows; r++) {
+                const __m512 x = _mm512_set1_ps(q[r * d + 2 * pair + u]);
+                acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+            }
+        }
+    }
+    ask_rest(&next, d / 2);
+    for (int r = 0; r < rows; r++) {
+        _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g, acc[r][0]);
+        _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g + 16, acc[r][1]);
+    }
+}
+
+static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d, ahead_of *ahead) {
+    (void)tiles, (void)ahead;  /* each pass asks for its share of the next chunk (w->ahead) */
+    for (int64_t g = 0; g < padded; g += SCORE_KEYS) {  /* padded: a multiple of 32 */
+        float_keys(w, g, d);
+        int64_t r = 0;
+        for (; r + 12 <= count; r += 12) score_rows(w, g, r, 12, d);
+        if (count - r >= 8) {
+            score_rows(w, g, r, 8, d);
+            r += 8;
+        }
+        if (count - r >= 4) {
+            score_rows(w, g, r, 4, d);
+            r += 4;
+        }
+        switch (count - r) {
+        case 3: score_rows(w, g, r, 3, d); break;
+        case 2: score_rows(w, g, r, 2, d); break;
+        case 1: score_rows(w, g, r, 1, d); break;
+        }
+    }
+}
+
+/* How many passes scores() and outputs() make over `count` rows of a chunk of `blocks` runs of 32 keys: each asks for
+   a share of the next chunk. */
+static inline int64_t passes(int64_t count, int64_t blocks, int64_t d) {
+    const int64_t rest = count % 12, score_passes = count / 12 + (rest >= 8) + (rest % 8 >= 4) + (rest % 4 > 0);
+    return blocks * (score_passes + d / 64 * (count / 6 + (count % 6 > 0)));
+}
+
+/* The chunk's values of keys [32 b, 32 b + 32) as float32, into w->float_values: per key, each 32 columns' even
+   columns, then their odd ones (zeros from the chunk's last key on). */
+static void float_values(scratch *w, int64_t b, int64_t d) {
+    for (int64_t i = 0; i < 32; i++) {
+        const int64_t key = b * 32 + i;
+        float *to = w->float_values + i * d;
+        for (int64_t c = 0; c < d; c += 32) {
+            __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            if (key < w->chunk_keys) as_floats(_mm512_loadu_si512(w->chunk_v + key * d + c), f);
+            _mm512_store_ps(to + c, f[0]);
+            _mm512_store_ps(to + c + 16, f[1]);
+        }
+    }
+}
+
+/* Add keys [32 b, 32 b + 32) to output columns [c, c + 64) of `rows` rows from r0, in w->out (each 32 columns' even
+   columns, then their odd ones, until outputs() orders them): each vector of a key's values loaded once for the rows,
+   each row's probability broadcast to it. A pair's second key is added before its first, as `vdpbf16ps` adds them. */
+static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_t b, int64_t r0, const int rows,
+                                                              int64_t c, int64_t d) {
+    __m512 acc[6][4];
+    float *out = w->out + r0 * d + c;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = b ? _mm512_load_ps(out + r * d + 16 * j) : _mm512_setzero_ps();
+    const float *p = w->float_probabilities + r0 * KEYS + b * 32;
+    const share next = take_share(w->ahead);
+    for (int64_t pair = 0; pair < 16; pair++)
+        for (int u = 1; u >= 0; u--) {
+            ask_line(&next, 2 * pair + 1 - u);
+            const float *v = w->float_values + (2 * pair + u) * d + c;
+            __m512 x[4];
+            for (int j = 0; j < 4; j++) x[j] = _mm512_load_ps(v + 16 * j);
+            for (int r = 0; r < rows; r++) {
+                const __m512 probability = _mm512_set1_ps(p[r * KEYS + 2 * pair + u]);
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(probability, x[j], acc[r][j]);
+            }
+        }
+    ask_rest(&next, 32);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(out + r * d + 16 * j, acc[r][j]);
+}
+
+/* The block's unnormalised output, probabilities times values, into w->out: 32 keys at a time, made float32 once
+   for every row. */
+static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, int64_t d) {
+    (void)tiles;
+    for (int64_t b = 0; b < blocks; b++) {
+        float_values(w, b, d);
+        for (int64_t c = 0; c < d; c += 64) {
+            int64_t r = 0;
+            for (; r + 6 <= count; r += 6) output_rows(w, b, r, 6, c, d);
+            switch (count - r) {
+            case 5: output_rows(w, b, r, 5, c, d); break;
+            case 4: output_rows(w, b, r, 4, c, d); break;
+            case 3: output_rows(w, b, r, 3, c, d); break;
+            case 2: output_rows(w, b, r, 2, c, d); break;
+            case 1: output_rows(w, b, r, 1, c, d); break;
+            }
+        }
+    }
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int64_t r = 0; r < count; r++)  /* each 32 columns in order: even and odd side by side */
+        for (int64_t c = 0; c < d; c += 32) {
+            float *out = w->out + r * d + c;
+            const __m512 even = _mm512_load_ps(out), odd = _mm512_load_ps(out + 16);
+            _mm512_store_ps(out, _mm512_permutex2var_ps(even, low, odd));
+            _mm512_store_ps(out + 16, _mm512_permutex2var_ps(even, high, odd));
+        }
+}
+#else
+typedef uint32_t __attribute__((may_alias)) bf16_pair;  /* two bfloat16 read as one 32-bit element */
 
 /* Scores of `rows` query rows from r0 against 32 keys from key g (two groups of the packed keys), two accumulators
    a row: each vector of 16 keys' column pair loaded once for the rows, each row's pair broadcast once for both. */
@@ -266,20 +462,6 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
     __m512 acc[8][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
-#if ON_FMA
-    const float *q = w->float_queries + r0 * d;
-    for (int64_t pair = 0; pair < d / 2; pair++) {
-        const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
-        __m512 k0[2], k1[2];
-        as_floats(_mm512_load_si512(keys + at), k0);
-        as_floats(_mm512_load_si512(next + at), k1);
-        for (int r = 0; r < rows; r++) {
-            const __m512 first = _mm512_set1_ps(q[r * d + 2 * pair]), second = _mm512_set1_ps(q[r * d + 2 * pair + 1]);
-            acc[r][0] = _mm512_fmadd_ps(first, k0[0], _mm512_fmadd_ps(second, k0[1], acc[r][0]));
-            acc[r][1] = _mm512_fmadd_ps(first, k1[0], _mm512_fmadd_ps(second, k1[1], acc[r][1]));
-        }
-    }
-#else
     const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
     for (int64_t pair = 0; pair < d / 2; pair++) {
         const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
@@ -290,7 +472,6 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
         }
     }
-#endif
     for (int r = 0; r < rows; r++) {
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g, acc[r][0]);
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g + 16, acc[r][1]);
@@ -323,19 +504,6 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const uint16_t *values = w->values + (c / 16) * blocks * 512;
-#if ON_FMA
-    const float *p = w->float_probabilities + r0 * KEYS;
-    for (int64_t pair = 0; pair < blocks * 16; pair++) {
-        __m512 v[4][2];
-        for (int j = 0; j < 4; j++) as_floats(_mm512_load_si512(values + (j * blocks * 16 + pair) * 32), v[j]);
-        for (int r = 0; r < rows; r++) {
-            const __m512 first = _mm512_set1_ps(p[r * KEYS + 2 * pair]);
-            const __m512 second = _mm512_set1_ps(p[r * KEYS + 2 * pair + 1]);
-            for (int j = 0; j < 4; j++)
-                acc[r][j] = _mm512_fmadd_ps(first, v[j][0], _mm512_fmadd_ps(second, v[j][1], acc[r][j]));
-        }
-    }
-#else
     const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
     for (int64_t pair = 0; pair < blocks * 16; pair++) {
         __m512bh v[4];
@@ -345,7 +513,6 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
         }
     }
-#endif
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
 }
@@ -362,6 +529,7 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
         if (count - r >= 1) output_rows(w, r, 1, c, blocks, d);
     }
 }
+#endif
 #endif
 
 #if AMX
@@ -624,9 +792,14 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
                          float scale, scratch *w, ahead_of *ahead, const float *held) {
     const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     /* the shares: a step of the scores and a row's exponentials; with the keys in place, a step of the scores, a
-       block of a tile's exponentials and a block of a pass of the outputs */
+       block of a tile's exponentials and a block of a pass of the outputs; on FMAs, each pass of the products */
+#if ON_FMA
+    const int64_t calls = passes(count, blocks, d);
+    w->ahead = ahead;
+#else
     const int64_t calls = w->in_place ? (KEYS / 16 + (tiles + d / few_width(tiles)) * (KEYS / 32))
                                       : padded / SCORE_KEYS + count;
+#endif
     ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
     for (int64_t i = 0; i < count; i++) {
         const int64_t r = r0 + i;
@@ -653,7 +826,7 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
     const float log2_scale = scale * 1.44269504088896341f;
     const __m512 factor = _mm512_set1_ps(log2_scale);
     for (int64_t r = 0; r < count; r++) {
-        fetch_some(ahead);
+        if (!ON_FMA) fetch_some(ahead);
         const float *row = w->scores + r * SCORE_ROW;
         uint16_t *probabilities = w->probabilities + r * KEYS;
         int64_t visible = n;  /* the keys this row sees in the chunk */

@@ -17,6 +17,11 @@ take on this machine.
 The kernel is called from Python here, once a layer with the parts laid out once (`cpu_attention.Plan`), where a step
 calls it from C++: a line under the table gives what the same 30 calls take over a 16-token prefix, which bounds what
 that adds to each row of the kernel's column.
+
+With `--against DIR` the kernel built from the sources in DIR (`cpu_attention.c` and its two headers, say an earlier
+commit's `backends/`) runs beside this one, the two taking turns call by call on the same queries, keys and values, so
+that a machine whose speed drifts meets both alike: it adds that column and the median of the call-by-call ratio, and
+says whether the two gave the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from batching_bench import table
@@ -57,11 +63,47 @@ def median_ms(run: Callable[[], object], repeats: int, before: Callable[[], obje
     return statistics.median(times) * 1e3
 
 
+def in_turn(runs: list[Callable[[], object]], repeats: int, before: Callable[[], object]) -> list[list[float]]:
+    """Run each in turn `repeats` times after a warm-up, the order reversed every other time; return each one's
+    times."""
+    times: list[list[float]] = [[] for _ in runs]
+    for at in range(repeats + 1):
+        turns = list(zip(times, runs, strict=True))
+        for measured, run in turns[:: -1 if at % 2 else 1]:
+            before()
+            start = time.perf_counter()
+            run()
+            if at:
+                measured.append(time.perf_counter() - start)
+    return times
+
+
+def with_kernels(kernels: cpu_attention.Kernels | None, run: Callable[[], object]) -> Callable[[], object]:
+    """`run` with the attention kernel `kernels` (None: this checkout's)."""
+    ours = cpu_attention._library
+
+    def swapped() -> object:
+        cpu_attention._library = ours if kernels is None else (lambda _dtype: kernels)
+        try:
+            return run()
+        finally:
+            cpu_attention._library = ours
+
+    return swapped
+
+
 def kernel_layers(queries: torch.Tensor, plan: cpu_attention.Plan) -> None:
     out, lse = torch.empty_like(queries), torch.empty(queries.shape[:3])
     for layer in range(LAYERS):
         lse.fill_(float("-inf"))  # nothing held: the kernel writes its own attention
         cpu_attention.attend_parts(queries, plan, layer, HEAD_DIM**-0.5, out, lse)
+
+
+def one_layer(queries: torch.Tensor, plan: cpu_attention.Plan) -> torch.Tensor:
+    """The kernel's output of layer 0 with nothing held, and its log-sum-exp, side by side as bytes."""
+    out, lse = torch.empty_like(queries), torch.full(queries.shape[:3], float("-inf"))
+    cpu_attention.attend_parts(queries, plan, 0, HEAD_DIM**-0.5, out, lse)
+    return torch.cat([out.view(torch.uint8).flatten(), lse.view(torch.uint8).flatten()])
 
 
 def planned(queries: torch.Tensor, kv: torch.Tensor) -> cpu_attention.Plan:
@@ -79,6 +121,7 @@ def torch_layers(queries: torch.Tensor, kv: torch.Tensor) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from-memory", action="store_true", help="the prefix from memory, and reading it once")
+    parser.add_argument("--against", type=Path, metavar="DIR", help="also the kernel built from the sources in DIR")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads\n")
@@ -87,6 +130,12 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         kernel = cpu_attention.prepare(dtype)
         dtype_name = str(dtype).removeprefix("torch.")
+        against = None
+        if kernel and args.against:
+            sources = tuple(args.against / source.name for source in cpu_attention._SOURCES)
+            against, said = cpu_attention.kernels_from(dtype, sources)
+            if against is None:
+                raise SystemExit(f"the attention kernel in {args.against}: {said}")
         for name, queries_per_head, tokens in CASES:
             kv = torch.randn(LAYERS, 2, KV_HEADS, tokens, HEAD_DIM).to(dtype)
             queries = torch.randn(1, HEADS, queries_per_head, HEAD_DIM).to(dtype)
@@ -94,10 +143,21 @@ def main() -> None:
             theirs = median_ms(functools.partial(torch_layers, queries, kv), repeats, before)
             times = [f"{theirs:.1f} ms"]
             if kernel:
-                mine = median_ms(functools.partial(kernel_layers, queries, planned(queries, kv)), repeats, before)
+                plan = planned(queries, kv)
+                mine = median_ms(functools.partial(kernel_layers, queries, plan), repeats, before)
                 times = [f"{mine:.1f} ms", *times, f"{theirs / mine:.1f}x"]
+                if against:
+                    ways = [with_kernels(k, functools.partial(kernel_layers, queries, plan)) for k in (None, against)]
+                    this, other = in_turn(ways, 3 * repeats, before)
+                    bits = [with_kernels(k, functools.partial(one_layer, queries, plan))() for k in (None, against)]
+                    same = torch.equal(*bits)
+                    ratio = statistics.median(t / m for t, m in zip(other, this, strict=True))
+                    times += [
+                        f"{statistics.median(other) * 1e3:.1f} ms",
+                        f"{ratio:.3f}x{'' if same else ', other bits'}",
+                    ]
             else:
-                times = ["-", *times, "-"]
+                times = ["-", *times, "-", *["-", "-"] * bool(args.against)]
             if args.from_memory:
                 once = median_ms(kv.view(torch.int64).sum, repeats, before)
                 gigabytes = kv.numel() * kv.element_size() / 1e9
@@ -109,6 +169,7 @@ def main() -> None:
             floor = median_ms(functools.partial(kernel_layers, queries, planned(queries, kv)), 9, before)
             calls.append(f"{dtype_name}: the kernel's 30 calls over a 16-token prefix take {floor:.1f} ms")
     header = ["dtype", "queries", "prefix", "C kernel", "torch's flash kernel", "speed-up"]
+    header += ["the kernel from DIR", "DIR / this build, call by call"] * bool(args.against)
     table(header + ["reading K and V once"] * args.from_memory, rows)
     print("\n".join(calls))
 

@@ -248,32 +248,42 @@ def test_the_avx512_float32_build_gives_the_avx2_builds_bits(
 
 @needs_bfloat16_kernel
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "count", "tokens", "causal_from"),
+    ("heads", "kv_heads", "count", "tokens", "causal_from", "head_dim"),
     [
-        (9, 3, 8, 4096, None),  # 8 decoding streams on a 4k prefix
-        (9, 3, 27, 1000, None),  # 27 rows a KV head: blocks of 8, 2 and 1
-        (9, 3, 432, 1000, None),  # 16 prompts of 27 tokens: more rows than a block
-        (4, 1, 5, 515, None),  # keys that end inside a run of 256
-        (9, 3, 300, 1000, 700),  # a prompt's own keys, causally
+        (9, 3, 8, 4096, None, 64),  # 8 decoding streams on a 4k prefix: 24 rows a KV head
+        (9, 3, 27, 1000, None, 64),  # 81 rows a KV head
+        (9, 3, 432, 1000, None, 64),  # 16 prompts of 27 tokens: more rows than a block
+        (4, 1, 5, 515, None, 64),  # keys that end inside a run of 256
+        (9, 3, 300, 1000, 700, 64),  # a prompt's own keys, causally
+        (9, 3, 1, 700, None, 64),  # one decoding stream: 3 rows
+        (5, 1, 1, 100, None, 64),  # 5 rows, over keys that end inside a run of 32
+        (9, 3, 3, 300, None, 64),  # 9 rows
+        (4, 2, 7, 300, None, 128),  # 14 rows, two passes of 64 columns
     ],
 )
 def test_the_bfloat16_build_on_fmas_gives_the_dot_products_bits(
-    heads: int, kv_heads: int, count: int, tokens: int, causal_from: int | None, monkeypatch: pytest.MonkeyPatch
+    heads: int,
+    kv_heads: int,
+    count: int,
+    tokens: int,
+    causal_from: int | None,
+    head_dim: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each pair's second product added and then its first, each in one rounding, as `vdpbf16ps` adds them: the same
     # sums on float32 FMAs (as Intel's CPUs without AMX run them) as on the dot products (as AMD's do).
     dot, fma = (cpu_attention._load(flags) for flags in (cpu_attention._FLAGS, cpu_attention._FLAGS + ("-DON_FMA",)))
     assert not isinstance(dot, str) and not isinstance(fma, str)
     torch.manual_seed(0)
-    queries = torch.randn(1, heads, count, 64).bfloat16()
-    kv = (torch.randn(2, kv_heads, tokens, 64) * 2).bfloat16()
-    held, held_lse = torch.randn(1, heads, count, 64).bfloat16(), torch.randn(1, heads, count)
+    queries = torch.randn(1, heads, count, head_dim).bfloat16()
+    kv = (torch.randn(2, kv_heads, tokens, head_dim) * 2).bfloat16()
+    held, held_lse = torch.randn(1, heads, count, head_dim).bfloat16(), torch.randn(1, heads, count)
     results = []
     for library in (dot, fma):
         kernels = cpu_attention.Kernels(library, library)
         monkeypatch.setattr(cpu_attention, "_library", lambda dtype, kernels=kernels: kernels)
         out, lse = held.clone(), held_lse.clone()
-        cpu_attention.attend_into(queries, kv, 0.125, out, lse, causal_from=causal_from)
+        cpu_attention.attend_into(queries, kv, head_dim**-0.5, out, lse, causal_from=causal_from)
         results.append((out, lse))
     (out_dot, lse_dot), (out_fma, lse_fma) = results
     assert torch.equal(out_fma, out_dot) and torch.equal(lse_fma, lse_dot)

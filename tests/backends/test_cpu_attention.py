@@ -259,6 +259,7 @@ def test_the_avx512_float32_build_gives_the_avx2_builds_bits(
         (5, 1, 1, 100, None, 64),  # 5 rows, over keys that end inside a run of 32
         (9, 3, 3, 300, None, 64),  # 9 rows
         (4, 2, 7, 300, None, 128),  # 14 rows, two passes of 64 columns
+        (2, 1, 5, 200, 150, 256),  # the widest heads, causally
     ],
 )
 def test_the_bfloat16_build_on_fmas_gives_the_dot_products_bits(

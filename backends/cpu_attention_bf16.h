@@ -21,11 +21,11 @@
    they packed each chunk first, widened each pair as a product read it (once for every 8 rows of the scores, every 4
    of the outputs), and asked for the next chunk at each step of the scores and each row's exponentials, 32 lines of
    each at a time: the same 30 layers, the two builds in turn in one process (attention_bench.py --from-memory
-   --against DIR, the same Xeon), one stream took 0.68x the time, 8 streams 0.88x, 16 streams 0.85x, 16 over a 7k
-   prefix 0.87x, 16 prompts of 27 tokens 0.98x; compiled steps on the 4k prefix (step_bench.py --attention-against
-   DIR) 0.89x, 0.94x and 0.96x for 1, 8 and 16 streams, 0.98x for 8 prompts of 28 tokens. (A whole chunk's keys and
-   values made float32 as they were packed, 64 KB each at d 64, had taken 1.11x to 1.18x as long for decoding
-   streams.) */
+   --against DIR, the same Xeon, two runs), one stream took 0.68x and 0.74x the time, 8 streams 0.88x and 0.83x, 16
+   streams 0.85x and 0.85x, 16 over a 7k prefix 0.87x and 0.91x, 16 prompts of 27 tokens 0.98x and 1.01x; compiled
+   steps on the 4k prefix (step_bench.py --attention-against DIR) 0.89x, 0.94x and 0.96x for 1, 8 and 16 streams,
+   0.98x for 8 prompts of 28 tokens. (A whole chunk's keys and values made float32 as they were packed, 64 KB each at
+   d 64, had taken 1.11x to 1.18x as long for decoding streams.) */
 #if !defined(ON_FMA) || AMX
 #undef ON_FMA
 #define ON_FMA 0

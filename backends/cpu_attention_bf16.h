@@ -152,7 +152,6 @@ static inline void pack_values(const uint16_t *v, int64_t n, int64_t d, int64_t 
    takes a whole chunk for at most ROWS rows (one block), they are left where they are, for attend_few; on FMAs the
    products read every chunk where it is, 32 keys made float32 at a time. */
 static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
-    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     const int in_place = AMX && rows <= ROWS && n == KEYS;
     w->in_place = in_place ? k : NULL;
     w->in_place_values = in_place ? v : NULL;
@@ -163,6 +162,7 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int
     return;
 #endif
     if (in_place) return;
+    const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     for (int64_t g = 0; g < padded; g += 16) {
         const int64_t keys = n - g >= 16 ? 16 : (n - g > 0 ? n - g : 0);
         for (int64_t slab = 0; slab < slabs; slab++)

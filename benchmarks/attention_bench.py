@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from batching_bench import table
+from batching_bench import in_turn, table
 
 from prefixgate.backends import cpu_attention
 from prefixgate.backends.attention import _attend_prefix
@@ -61,21 +61,6 @@ def median_ms(run: Callable[[], object], repeats: int, before: Callable[[], obje
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def in_turn(runs: list[Callable[[], object]], repeats: int, before: Callable[[], object]) -> list[list[float]]:
-    """Run each in turn `repeats` times after a warm-up, the order reversed every other time; return each one's
-    times."""
-    times: list[list[float]] = [[] for _ in runs]
-    for at in range(repeats + 1):
-        turns = list(zip(times, runs, strict=True))
-        for measured, run in turns[:: -1 if at % 2 else 1]:
-            before()
-            start = time.perf_counter()
-            run()
-            if at:
-                measured.append(time.perf_counter() - start)
-    return times
 
 
 def with_kernels(kernels: cpu_attention.Kernels | None, run: Callable[[], object]) -> Callable[[], object]:

@@ -265,6 +265,24 @@ def streams_options(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def in_turn(
+    runs: list[Callable[[], object]], repeats: int, before: Callable[[], object] = lambda: None
+) -> list[list[float]]:
+    """Run each in turn `repeats` times after a warm-up round, each after `before`, the order reversed every other
+    round (the first of a round can measure slower than the same work later in it); return each one's times, in
+    seconds."""
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(repeats + 1):
+        turns = list(zip(times, runs, strict=True))
+        for measured, run in turns[:: -1 if round_ % 2 else 1]:
+            before()
+            start = time.perf_counter()
+            run()
+            if round_:
+                measured.append(time.perf_counter() - start)
+    return times
+
+
 def table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:

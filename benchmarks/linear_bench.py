@@ -22,11 +22,10 @@ kernel does not take bfloat16 run), and what reading the bfloat16 weights once t
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
-from batching_bench import table
+from batching_bench import in_turn, table
 
 from prefixgate.backends import HFBackend, packed_linear
 from prefixgate.backends.packed_linear import PackedLinear
@@ -37,17 +36,9 @@ ROUNDS = 5
 
 
 def median_ms(runs: list[Callable[[], object]]) -> list[float]:
-    """Run each in turn, ROUNDS times after a warm-up, the order reversed every other round (the first of a round
-    measured up to a tenth slower than the same layers later in it); return each one's median in ms."""
-    times: list[list[float]] = [[] for _ in runs]
-    for round_ in range(ROUNDS + 1):
-        turns = list(zip(times, runs, strict=True))
-        for measured, run in turns[:: -1 if round_ % 2 else 1]:
-            start = time.perf_counter()
-            run()
-            if round_:
-                measured.append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e3 for t in times]
+    """Run each in turn ROUNDS times (`in_turn`: the first of a round measured up to a tenth slower than the same
+    layers later in it); return each one's median in ms."""
+    return [statistics.median(t) * 1e3 for t in in_turn(runs, ROUNDS)]
 
 
 def main() -> None:

@@ -93,13 +93,17 @@ static inline __m512 exp2_bf16_512(__m512 t) {
 
 typedef struct {
     float scores[ROWS * SCORE_ROW];  /* rows of SCORE_ROW, a row's KEYS first; first here, see SCORE_ROW */
+#if !ON_FMA  /* the chunk packed for the products (on FMAs they read it where it lies) */
     uint32_t keys[(KEYS / 16) * (MAX_DIM / 32) * 256];  /* per 16 keys and 32 columns: 16 column pairs x 16 keys */
     uint16_t values[(MAX_DIM / 16) * (KEYS / 2) * 32];  /* per 16 columns and 32 keys: 16 key pairs x 16 columns */
+#endif
     uint16_t queries[ROWS * MAX_DIM];                   /* a block of query rows, padded to whole tiles */
     uint16_t probabilities[ROWS * KEYS];
     float out[ROWS * MAX_DIM];                          /* the block's unnormalised output */
     float max[ROWS], sum[ROWS];
+#if AMX
     uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
+#endif
     const uint16_t *in_place, *in_place_values;  /* the chunk's keys and values, where attend_few reads them */
 #if ON_FMA
     float float_queries[ROWS * MAX_DIM] __attribute__((aligned(64)));      /* the block's queries as float32 */
@@ -156,11 +160,11 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int
     w->in_place = in_place ? k : NULL;
     w->in_place_values = in_place ? v : NULL;
 #if ON_FMA
+    (void)d;
     w->chunk_k = k;
     w->chunk_v = v;
     w->chunk_keys = n;
-    return;
-#endif
+#else
     if (in_place) return;
     const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
     for (int64_t g = 0; g < padded; g += 16) {
@@ -170,6 +174,7 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int
     }
     for (int64_t block = 0; block < blocks; block++)  /* per 16 columns and 32 keys */
         pack_values(v + block * 32 * d, n - block * 32, d, 0, d, w->values + block * 512, blocks * 512);
+#endif
 }
 
 /* The columns of a pass of attend_few's outputs: its accumulators are `tiles` tiles of rows by width / 16 of columns,

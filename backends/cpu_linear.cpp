@@ -346,7 +346,8 @@ static inline void round_out(const float *c, const uint16_t *bias, int64_t colum
    a lone block for both panels' next chunks, else the first block for the first panel's and the second for the
    second's. Where the first asked for both, two lines a step, and the second for none, bfloat16 rows on FMAs (2 cores
    of a Xeon without AMX, SmolLM2's 211 layers, their weights from memory, the two builds in turn in one process, three
-   runs) took 1.04x to 1.07x as long for 16 to 32 rows and 1.00x to 1.03x for 64: the products waited on the asking. */
+   runs) took 1.04x to 1.07x as long for 16 to 32 rows and 1.00x to 1.03x for 64 (two runs): the products waited on the
+   asking. */
 template <typename T, typename B>
 static void chunk(const T *x, int64_t k, int64_t count, const B *b, two_panels w, int64_t depth, float *c, int add) {
     /* blocks of rows as even as MOST_ROWS at most allows (16 rows: 8 and 8, not 12 and 4, whose 8 accumulators wait

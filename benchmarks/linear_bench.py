@@ -17,22 +17,34 @@ rows, 2 or more on its tiles), as it packs a bfloat16 layer that is not codes (p
 rows, oneDNN's past them: 8 rows with AMX, 64 on AVX-512 BF16's dot products, every count where the kernel's products
 run on FMAs), and oneDNN's layout alone through the Python operator (`prefixgate::packed_linear`, as layers where the
 kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
+
+With `--against DIR` it prints one table instead: the kernel built from DIR/cpu_linear.cpp (say an earlier commit's
+`backends/`, whose weight layout is this one's) beside this build's, both on the same layers packed as a server packs
+them (in bfloat16 where the kernel takes it, else float32), taking turns layer pass by layer pass, so that a machine
+whose speed drifts meets both alike: each one's median, the median of the pass-by-pass ratio with its lowest and
+highest, and whether the two gave the same bits. `--rows` chooses the row counts.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import statistics
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from batching_bench import in_turn, table
 
-from prefixgate.backends import HFBackend, packed_linear
+from prefixgate.backends import HFBackend, cpu_attention, packed_linear
 from prefixgate.backends.packed_linear import PackedLinear
 
 ROWS = [1, 8, 16, 64, 512]
 BFLOAT16_ROWS = [1, 4, 6, 8, 16, 32, 64, 216, 512]
 ROUNDS = 5
+Operator = Callable[..., torch.Tensor]  # `prefixgate::linear_panels`, or the same operator of another build
 
 
 def median_ms(runs: list[Callable[[], object]]) -> list[float]:
@@ -42,8 +54,15 @@ def median_ms(runs: list[Callable[[], object]]) -> list[float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", type=Path, metavar="DIR", help="this build beside the kernel in DIR")
+    parser.add_argument("--rows", type=int, nargs="+", help="the row counts (with --against: 1 8 16 32 64)")
+    args = parser.parse_args()
     if not packed_linear._kernel():
         print("the float32 linear kernel does not build here (it needs AVX2, FMA and a C++ compiler); see the log")
+        return
+    if args.against:
+        against(args.against, args.rows or [1, 8, 16, 32, 64])
         return
     backend = HFBackend.load("smollm2-135m", dtype="float32", prepack_weights=False, compile_steps=False)
     plain = [m for m in backend._runner.model.modules() if type(m) is torch.nn.Linear]
@@ -67,7 +86,7 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         (reading,) = median_ms([weights.sum])
-        for count in ROWS:
+        for count in args.rows or ROWS:
             inputs = {n: torch.randn(count, n) for n in {linear.in_features for linear in plain}}
 
             def run(layers: list[torch.nn.Module], inputs: dict[int, torch.Tensor] = inputs) -> None:
@@ -80,10 +99,10 @@ def main() -> None:
     table([*columns, "reading the float weights"], rows)
     backend.close()
     if packed_linear.bfloat16_products():
-        bfloat16()
+        bfloat16(args.rows or BFLOAT16_ROWS)
 
 
-def bfloat16() -> None:
+def bfloat16(counts: list[int]) -> None:
     """Print the bfloat16 table: the layers as served (the kernel's code panels up to 5 rows, its pair panels up to 64,
     oneDNN's layout past them; with AMX, the codes up to 512 rows), with pair panels alone (up to 64 rows, 8 with AMX,
     oneDNN's past them), and oneDNN's layout alone."""
@@ -109,7 +128,7 @@ def bfloat16() -> None:
     rows = []
     with torch.inference_mode():
         (reading,) = median_ms([weights.sum])
-        for count in BFLOAT16_ROWS:
+        for count in counts:
             inputs = {n: torch.randn(count, n, dtype=torch.bfloat16) for n in {linear.in_features for linear in plain}}
 
             def run(layers: list[PackedLinear], inputs: dict[int, torch.Tensor] = inputs) -> None:
@@ -129,6 +148,73 @@ def bfloat16() -> None:
         "oneDNN's layout (Python operator)",
     ]
     table([*columns, "reading the weights"], rows)
+    backend.close()
+
+
+def other_kernel(directory: Path) -> Operator:
+    """Build the kernel in `directory` (its cpu_linear.cpp) with this build's flags, as an operator of its own
+    namespace so that it loads beside this one, and return that operator."""
+    path = directory / packed_linear._SOURCE.name
+    if not path.is_file():
+        raise SystemExit(f"no {path.name} in {directory}: give a folder holding one, such as a checkout's backends/")
+    source = path.read_text()
+    for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        source = source.replace(f"{macro}(prefixgate,", f"{macro}(prefixgate_against,")
+    compiler = cpu_attention.cxx_compiler()
+    assert compiler is not None  # this build's kernel built
+    with tempfile.TemporaryDirectory() as folder:
+        renamed = Path(folder) / packed_linear._SOURCE.name
+        renamed.write_text(source)
+        try:
+            built = cpu_attention.build_operator(renamed, packed_linear._built[0], compiler)
+        except subprocess.CalledProcessError as error:
+            raise SystemExit(f"{path} did not build: {cpu_attention.first_line(error)}") from None
+    torch.ops.load_library(built)  # type: ignore[no-untyped-call]
+    operator: Operator = torch.ops.prefixgate_against.linear_panels
+    return operator
+
+
+def against(directory: Path, counts: list[int]) -> None:
+    """Print SmolLM2's layers as a server packs them on this build's kernel and on the one in `directory`, in turn."""
+    ours, other = torch.ops.prefixgate.linear_panels, other_kernel(directory)
+    dtype = "bfloat16" if packed_linear.bfloat16_products() else "float32"
+    backend = HFBackend.load("smollm2-135m", dtype=dtype, prepack_weights=False, compile_steps=False)
+    model = backend._runner.model
+    plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    sources = packed_linear._float32_sources(model)
+    codes = [packed_linear._original_codes(sources.get(id(linear.weight))) for linear in plain]
+    packed = [PackedLinear(linear, found=found) for linear, found in zip(plain, codes, strict=True)]
+    layers = [layer for layer in packed if layer.described is not None]  # those the kernel takes
+    print(
+        f"SmolLM2-135M-Instruct's {len(layers)} linear layers the kernel takes (of {len(plain)}) in {dtype}, as a "
+        f"server packs them, {torch.get_num_threads()} threads: this build against the kernel in {directory}, in turn\n"
+    )
+    rows = []
+    with torch.inference_mode():
+        for count in counts:
+            inputs = {n: torch.randn(count, n, dtype=model.dtype) for n in {layer.in_features for layer in layers}}
+
+            # each operator called alike, with nothing between: a module's call costs a few microseconds a layer
+            def run(operator: Operator, inputs: dict[int, torch.Tensor] = inputs) -> list[torch.Tensor]:
+                return [
+                    operator(inputs[layer.in_features], layer.address, layer.out_features, layer.plain, layer.bias)
+                    for layer in layers
+                ]
+
+            mine, theirs = (functools.partial(run, operator) for operator in (ours, other))
+            same = all(torch.equal(a, b) for a, b in zip(mine(), theirs(), strict=True))
+            this, that = in_turn([mine, theirs], 4 * ROUNDS)
+            ratios = sorted(t / m for t, m in zip(that, this, strict=True))
+            rows.append(
+                [
+                    str(count),
+                    f"{statistics.median(this) * 1e3:.1f} ms",
+                    f"{statistics.median(that) * 1e3:.1f} ms",
+                    f"{statistics.median(ratios):.3f}x ({ratios[0]:.3f}x to {ratios[-1]:.3f}x)",
+                    "yes" if same else "no",
+                ]
+            )
+    table(["rows", "this build", "the kernel in DIR", "DIR / this build, pass by pass", "same bits"], rows)
     backend.close()
 
 

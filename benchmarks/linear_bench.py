@@ -183,8 +183,8 @@ def against(directory: Path, counts: list[int]) -> None:
     plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
     sources = packed_linear._float32_sources(model)
     codes = [packed_linear._original_codes(sources.get(id(linear.weight))) for linear in plain]
-    packed = [PackedLinear(linear, found=found) for linear, found in zip(plain, codes, strict=True)]
-    layers = [layer for layer in packed if layer.described is not None]  # those the kernel takes
+    packed = [packed_linear._pack(linear, original=found) for linear, found in zip(plain, codes, strict=True)]
+    layers = [layer for layer in packed if layer is not None and layer.described is not None]  # those the kernel takes
     print(
         f"SmolLM2-135M-Instruct's {len(layers)} linear layers the kernel takes (of {len(plain)}) in {dtype}, as a "
         f"server packs them, {torch.get_num_threads()} threads: this build against the kernel in {directory}, in turn\n"

@@ -137,6 +137,9 @@ def main() -> None:
         parser.error("--python-linear times float32's kernel: leave out --dtype bfloat16")
     if not 0 <= args.prompt <= POSITIONS - CONTEXT:
         parser.error(f"--prompt takes 0 to {POSITIONS - CONTEXT} tokens")
+    most = POSITIONS - CONTEXT - 10 - PROFILED  # decode steps go on past the 10 not counted and the profiled ones
+    if args.steps < 1 or (args.steps > most and not args.prompt):
+        parser.error(f"--steps takes 1 to {most} decode steps: each stream's buffer holds {POSITIONS} positions")
     if not packed_linear.packs(dtype) or (dtype == torch.float32 and not packed_linear._kernel()):
         print(f"{args.dtype} weights are not prepacked on this CPU, or the kernel does not build here")
         return

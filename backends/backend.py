@@ -69,7 +69,6 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
@@ -81,7 +80,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the answer's text
 
     def __post_init__(self) -> None:
-        # Ranges that hold for every model; what depends on the model (context, n) the backend checks.
+        # Ranges that hold for every model; what depends on the model (its context, its vocabulary) the backend checks.
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
         if not (0.0 <= self.temperature <= 2.0):  # also catches NaN
@@ -101,8 +100,6 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", param="stop")
-        if self.n < 1:
-            raise RequestError(f"n must be at least 1, got {self.n}", param="n")
         for name, value in (("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)):
             if not (-2.0 <= value <= 2.0):  # also catches NaN
                 raise RequestError(f"{name} must be between -2 and 2, got {value}", param=name)

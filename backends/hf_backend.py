@@ -350,11 +350,6 @@ class HFBackend:
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
         try:
-            if params.n != 1:
-                raise RequestError(
-                    f"this backend generates one choice per request (n=1), got n={params.n}; send n separate requests",
-                    param="n",
-                )
             outside = [token for token, _ in params.logit_bias if not 0 <= token < self._vocab_size]
             if outside:
                 raise RequestError(

@@ -33,11 +33,12 @@ from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.answer import Answer, assemble
 from prefixgate.proxy.body import OFF_LOOP_BYTES, let_go, off_loop, parsed
-from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
+from prefixgate.proxy.choices import AnyEngine, AnyGeneration, Choices
+from prefixgate.proxy.engine import Engine, PromptRequest, Usage
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, describe
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
-from prefixgate.proxy.upstream_engine import UpstreamEngine, UpstreamGeneration
+from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import BlockLayout, RemoteConfig, StoreConfig, TierConfig, TieredStore
 from prefixgate.store.keys import load_or_create_secret
 from prefixgate.threads import torch_executor
@@ -45,14 +46,12 @@ from prefixgate.threads import torch_executor
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("prefixgate.requests")  # one line per request; its fields ride on the record
 
-AnyEngine = Engine | UpstreamEngine  # a local model's, or one in front of upstreams
-AnyGeneration = Generation | UpstreamGeneration
 ENGINE: web.AppKey[AnyEngine] = web.AppKey("engine")
 METRICS = web.AppKey("metrics", CollectorRegistry)
 SETTINGS = web.AppKey("settings", Settings)
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", str)
-GENERATION: web.RequestKey[AnyGeneration] = web.RequestKey("generation")  # the request's, for its log line
+CHOICES: web.RequestKey[Choices] = web.RequestKey("choices")  # the request's generations, for its log line
 # How the app is served (keyword arguments of aiohttp's run_app, AppRunner and TestServer): a client that disconnects
 # cancels its handler, so its request stops at the model's next step, in prefill as in decoding, streamed or not.
 SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
@@ -184,19 +183,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
 ) -> web.StreamResponse:
-    generation = await _start(request, body.model, await _prompt(request, body), chat=chat)
+    choices = await _start(request, body.model, await _prompt(request, body), chat=chat, n=body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
-        async with generation:
-            return await _stream(request, generation, body.model, include_usage, chat=chat)
-    async with generation:
-        answer = assemble([chunk async for chunk in generation])
+        async with choices:
+            return await _stream(request, choices, body.model, include_usage, chat=chat)
+    chunks: list[list[TokenChunk]] = [[] for _ in choices.generations]
+    async with choices:
+        async for index, chunk in choices.chunks():
+            chunks[index].append(chunk)
     render = api.chat_completion if chat else api.text_completion
-    finish_reason = generation.finish_reason or "stop"
-    usage = generation.usage()
-    payload = render(generation.request_id, body.model, answer, finish_reason, usage, generation.system_fingerprint)
-    return web.json_response(payload, headers=_headers(generation))
+    answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
+    first = choices.generations[0]
+    payload = render(first.request_id, body.model, answers, choices.usage(), first.system_fingerprint)
+    return web.json_response(payload, headers=_headers(choices.first))
 
 
 async def _prompt(
@@ -227,10 +228,10 @@ def _let_go_of(prompt: PromptRequest) -> None:
             let_go(items)
 
 
-async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool) -> AnyGeneration:
-    """Start the request's generation on the engine serving `model`, up to its first token."""
+async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool, n: int = 1) -> Choices:
+    """Start the request's `n` generations on the engine serving `model`, each up to its first token."""
     try:
-        generation = await _engine_for(request, model).generate(prompt)
+        choices = await Choices.start(_engine_for(request, model), prompt, n)
     except BaseException as error:
         if isinstance(error, RequestError) and chat and error.param == "prompt":
             error.param = "messages"  # the engine's prompt is the chat APIs' messages
@@ -239,8 +240,8 @@ async def _start(request: web.Request, model: str, prompt: PromptRequest, *, cha
             # not on the loop as the error unwinds (400,000 messages would hold it for tens of milliseconds).
             await off_loop(_let_go_of, prompt)
         raise
-    request[GENERATION] = generation
-    return generation
+    request[CHOICES] = choices
+    return choices
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -248,12 +249,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await parsed(await request.read(), anthropic.MessagesRequest)
     if body.max_tokens == 0:
         return await _prewarm(request, body)
-    generation = await _start(request, body.model, await _prompt(request, body), chat=True)
+    choices = await _start(request, body.model, await _prompt(request, body), chat=True)
+    generation = choices.first  # the Messages API answers once
     message_id = anthropic.message_id()
     if body.stream:
-        async with generation:
+        async with choices:
             return await _stream_message(request, generation, body.model, message_id)
-    async with generation:
+    async with choices:
         answer = assemble([chunk async for chunk in generation])
     payload = anthropic.message(message_id, body.model, answer, generation.finish_reason, generation.usage())
     return web.json_response(payload, headers=_headers(generation))
@@ -355,55 +357,65 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, generation: AnyGeneration, model: str, include_usage: bool, *, chat: bool
+    request: web.Request, choices: Choices, model: str, include_usage: bool, *, chat: bool
 ) -> web.StreamResponse:
-    """Send the generation as server-sent events, exactly as OpenAI does; the caller closes the generation."""
+    """Send the choices as server-sent events, exactly as OpenAI does, each chunk one choice's (by its index) as it
+    comes; the caller closes the choices."""
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(choices.first)}
     )
     await response.prepare(request)
     created = int(time.time())
-    rid = generation.request_id
+    first = choices.generations[0]
+    rid = first.request_id
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    offset = 0  # the characters of the tokens with log probabilities sent so far: a text chunk's text_offset
+    # each choice's characters of the tokens with log probabilities sent so far: a text chunk's text_offset
+    offsets = [0] * len(choices.generations)
 
     def chunk(
-        token: TokenChunk | None, finish_reason: str | None = None, stop: str | None = None, *, role: bool = False
+        index: int,
+        token: TokenChunk | None,
+        finish_reason: str | None = None,
+        stop: str | None = None,
+        *,
+        role: bool = False,
     ) -> dict[str, Any]:
-        nonlocal offset
         logprobs = token.logprobs if token is not None else ()
         if not chat:
             text = token.text if token is not None else ""
-            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs, offset)
-            offset += sum(len(entry.token) for entry in logprobs)
+            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs, offsets[index], index)
+            offsets[index] += sum(len(entry.token) for entry in logprobs)
         else:
             delta = api.chat_delta(token) if token is not None else {}
             delta = {"role": "assistant", "content": ""} if role else delta
-            body = api.chat_chunk(rid, model, created, delta, finish_reason, stop, logprobs)
+            body = api.chat_chunk(rid, model, created, delta, finish_reason, stop, logprobs, index)
             if include_usage:
                 body["usage"] = None
-        fingerprint = generation.system_fingerprint
+        fingerprint = first.system_fingerprint  # an upstream's, once it has sent one
         return body | ({"system_fingerprint": fingerprint} if fingerprint is not None else {})
 
     try:
         if chat:
-            await _send(response, chunk(None, role=True))
-        stop = None
-        async for token in generation:
-            stop = token.stop_sequence
+            for index in range(len(choices.generations)):
+                await _send(response, chunk(index, None, role=True))
+        async for index, token in choices.chunks():
             if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
-                await _send(response, chunk(token))
-        await _send(response, chunk(None, generation.finish_reason, stop))
+                await _send(response, chunk(index, token))
+            if token.finish_reason is not None:  # the choice's last chunk
+                await _send(response, chunk(index, None, token.finish_reason, token.stop_sequence))
+        for index, generation in enumerate(choices.generations):
+            if generation.finish_reason is None:  # an upstream's answer that ended without one: its last chunk still
+                await _send(response, chunk(index, None))
         if include_usage:
-            await _send(response, api.usage_chunk(rid, model, created, kind, generation.usage()))
+            await _send(response, api.usage_chunk(rid, model, created, kind, choices.usage()))
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client left request %s; generation stopped", rid)  # the caller's aclose() stops the model
         raise
     except Exception as error:
         _, body = _streaming_failure(rid, error)
         await _event(response, "error", body)
-    await generation.aclose()  # usage and timing are final before the stream's end
+    await choices.aclose()  # usage and timing are final before the stream's end
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -624,9 +636,9 @@ def _request_fields(request: web.Request, status: int, seconds: float) -> dict[s
         "status": status,
         "ms": round(seconds * 1e3, 1),
     }
-    generation = request.get(GENERATION)
-    if generation is not None:
-        usage, ttft = generation.usage(), generation.time_to_first_token
+    choices = request.get(CHOICES)
+    if choices is not None:
+        usage, ttft = choices.usage(), choices.first.time_to_first_token
         fields |= {
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,

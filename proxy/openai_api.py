@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,6 +20,8 @@ DEFAULT_MAX_TOKENS = 512
 # that no request's stop strings cost the model thread more than a little per token. OpenAI takes up to 4.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 256
+# Choices of one request (`n`): each is a stream of its own on the prompt, held once (OpenAI takes up to 128).
+MAX_CHOICES = 16
 # vLLM's and SGLang's request fields that prefixgate does not act on: passed on to upstreams, refused locally.
 _EXTENSIONS = (
     "repetition_penalty",
@@ -129,7 +132,7 @@ class _Generation(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # an extension vLLM and llama.cpp accept too
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -201,7 +204,6 @@ class _Generation(Strict):
             top_k=self.top_k,
             seed=self.seed,
             stop=stop,
-            n=self.n,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
@@ -393,9 +395,19 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def chat_completion(
-    request_id: str, model: str, answer: Answer, finish_reason: str, usage: Usage, fingerprint: str | None = None
+    request_id: str,
+    model: str,
+    choices: Sequence[tuple[Answer, str]],
+    usage: Usage,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """Return a whole chat completion body; `stop_reason` is the stop string that ended it, as vLLM reports it."""
+    """Return a whole chat completion body of each choice's answer and finish reason, in order; a choice's
+    `stop_reason` is the stop string that ended it, as vLLM reports it."""
+    rendered = [_chat_choice(index, answer, finish_reason) for index, (answer, finish_reason) in enumerate(choices)]
+    return _completion(request_id, "chat.completion", model, rendered, fingerprint) | {"usage": usage_body(usage)}
+
+
+def _chat_choice(index: int, answer: Answer, finish_reason: str) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": answer.text if answer.text or not answer.tool_calls else None,
@@ -408,22 +420,28 @@ def chat_completion(
         ]
     if answer.reasoning:
         message |= _reasoning(answer.reasoning)
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": chat_logprobs(answer.logprobs),
         "finish_reason": finish_reason,
         "stop_reason": answer.stop_sequence,
     }
-    return _completion(request_id, "chat.completion", model, choice, fingerprint) | {"usage": usage_body(usage)}
 
 
 def text_completion(
-    request_id: str, model: str, answer: Answer, finish_reason: str, usage: Usage, fingerprint: str | None = None
+    request_id: str,
+    model: str,
+    choices: Sequence[tuple[Answer, str]],
+    usage: Usage,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """Return a whole text completion body; `stop_reason` as in `chat_completion`."""
-    choice = _text_choice(answer.text, finish_reason, answer.stop_sequence, answer.logprobs)
-    return _completion(request_id, "text_completion", model, choice, fingerprint) | {"usage": usage_body(usage)}
+    """Return a whole text completion body, its choices as in `chat_completion`."""
+    rendered = [
+        _text_choice(index, answer.text, finish_reason, answer.stop_sequence, answer.logprobs)
+        for index, (answer, finish_reason) in enumerate(choices)
+    ]
+    return _completion(request_id, "text_completion", model, rendered, fingerprint) | {"usage": usage_body(usage)}
 
 
 def chat_chunk(
@@ -434,11 +452,12 @@ def chat_chunk(
     finish_reason: str | None,
     stop_reason: str | None = None,
     logprobs: tuple[TokenLogprob, ...] = (),
+    index: int = 0,
 ) -> dict[str, Any]:
-    """Return one chat.completion.chunk; the last one has the finish reason, and `stop_reason` as in
-    `chat_completion`."""
+    """Return one chat.completion.chunk of choice `index`; a choice's last one has its finish reason, and
+    `stop_reason` as in `chat_completion`."""
     choice = {
-        "index": 0,
+        "index": index,
         "delta": delta,
         "logprobs": chat_logprobs(logprobs),
         "finish_reason": finish_reason,
@@ -476,15 +495,16 @@ def text_chunk(
     stop_reason: str | None = None,
     logprobs: tuple[TokenLogprob, ...] = (),
     offset: int = 0,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """Return one streamed text_completion chunk; `stop_reason` as in `chat_completion`; `offset`: the characters of
-    the answer's tokens in the chunks before (where this chunk's `text_offset` counts from)."""
+    """Return one streamed text_completion chunk of choice `index`; `stop_reason` as in `chat_completion`; `offset`:
+    the characters of the choice's tokens in its chunks before (where this chunk's `text_offset` counts from)."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_text_choice(text, finish_reason, stop_reason, logprobs, offset)],
+        "choices": [_text_choice(index, text, finish_reason, stop_reason, logprobs, offset)],
     }
 
 
@@ -524,10 +544,15 @@ def error_body(message: str, error_type: str, *, param: str | None = None, code:
 
 
 def _text_choice(
-    text: str, finish_reason: str | None, stop_reason: str | None, logprobs: tuple[TokenLogprob, ...], offset: int = 0
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | None,
+    logprobs: tuple[TokenLogprob, ...],
+    offset: int = 0,
 ) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": _text_logprobs(logprobs, offset),
         "finish_reason": finish_reason,
@@ -552,9 +577,9 @@ def _text_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int = 0) -> dict[
 
 
 def _completion(
-    request_id: str, kind: str, model: str, choice: dict[str, Any], fingerprint: str | None
+    request_id: str, kind: str, model: str, choices: list[dict[str, Any]], fingerprint: str | None
 ) -> dict[str, Any]:
-    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
     return body | ({"system_fingerprint": fingerprint} if fingerprint is not None else {})
 
 

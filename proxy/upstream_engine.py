@@ -25,7 +25,7 @@ from typing import Any
 from prefixgate.backends import TokenChunk
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, Route, Upstream, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
-from prefixgate.errors import ConfigError, RequestError
+from prefixgate.errors import ConfigError
 from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -175,11 +175,6 @@ class UpstreamEngine:
     def _prepare(self, request: PromptRequest) -> Forward:
         # No size check of its own: the body limit bounds the text, every rule is linear in it, and the upstream
         # refuses a prompt longer than its context.
-        if request.params.n != 1:  # the answer is rendered as one choice, as the local backend's is
-            raise RequestError(
-                f"this server returns one choice per request (n=1), got n={request.params.n}; send n separate requests",
-                param="n",
-            )
         body = api.sampling_fields(self.model_id, request.params, chat=request.messages is not None)
         body |= request.extensions  # vLLM's and SGLang's own fields, as the client sent them
         moved: tuple[MovedValue, ...] = ()

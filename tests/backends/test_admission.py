@@ -143,6 +143,7 @@ async def test_a_prompt_longer_than_the_context_is_refused_before_anything_is_re
 async def test_a_request_refused_by_generate_gives_its_reservation_back(make_backend: BackendFactory) -> None:
     backend = make_backend()
     reservation = await backend.reserve(10, 5)
-    with pytest.raises(RequestError, match="n=1"):
-        backend.generate(make_prompt(10), [], SamplingParams(max_tokens=5, n=2), reservation=reservation)
+    with pytest.raises(RequestError, match="outside this model's vocabulary"):
+        params = SamplingParams(max_tokens=5, logit_bias=((10**9, 1.0),))
+        backend.generate(make_prompt(10), [], params, reservation=reservation)
     assert backend.admission().running == 0 and reservation.buffer is None

@@ -32,7 +32,6 @@ from tests.backends.tiny_models import make_llama, make_tokenizer
         ("seed", 2**64, "64-bit"),
         ("stop", ("",), "must not be empty"),
         ("stop", tuple(str(i) for i in range(17)), "at most 16"),
-        ("n", 0, "at least 1"),
     ],
 )
 def test_out_of_range_sampling_params_name_the_field_and_the_limit(field: str, value: object, limit: str) -> None:
@@ -46,7 +45,6 @@ def test_requests_it_cannot_serve_fail_before_any_compute(
 ) -> None:
     backend = make_backend(on_step=steps.append)  # context 512
     cases: list[tuple[list[int], SamplingParams, type[RequestError], str, str]] = [
-        (make_prompt(10), SamplingParams(n=2), RequestError, "n", "n=1"),
         (make_prompt(513), GREEDY, ContextLengthError, "prompt", "512 tokens"),
         (make_prompt(500), SamplingParams(max_tokens=13), ContextLengthError, "max_tokens", "at most 12"),
         ([], GREEDY, RequestError, "prompt", "empty"),

@@ -172,7 +172,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("unknown role", chat() | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
     ("max_tokens zero", chat(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     ("temperature too high", chat(temperature=3), 400, "temperature", "less than or equal to 2"),
-    ("n above one", chat(n=2), 400, "n", "n=1"),
+    ("n above sixteen", chat(n=17), 400, "n", "less than or equal to 16"),
     ("unknown field", chat(frobnicate=True), 400, "frobnicate", "unknown field"),
     ("a lone surrogate", chat("Hi \ud800 there"), 400, "messages.1.content", "lone surrogate (\\ud800)"),
     ("a lone surrogate in a key", chat(metadata={"\udfff": "x"}), 400, "metadata.\udfff", "lone surrogate"),

@@ -267,10 +267,21 @@ async def test_an_upstreams_client_error_comes_back_as_it_wrote_it(front: Front,
     with pytest.raises(openai.BadRequestError) as raised:
         await ask(client, SYSTEM * 40, "Hi?")  # longer than the tiny model's context
     assert raised.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match="n=1") as refused:
-        await ask(client, SYSTEM, "Hi?", n=2)  # one choice per answer, as in front of a local model
-    assert refused.value.param == "n"
     assert all(state["available"] for state in (await per_upstream(client)).values())  # the client's fault
+
+
+async def test_n_choices_are_one_request_each_on_the_upstream_that_holds_the_prefix(
+    front: Front, upstreams: list[str]
+) -> None:
+    client = await front(upstreams)
+    alone = await ask(client, SYSTEM, "What is the capital of France?")
+    answer = await ask(client, SYSTEM, "What is the capital of France?", n=3)
+    assert [choice.index for choice in answer.choices] == [0, 1, 2]
+    assert {choice.message.content for choice in answer.choices} == {alone.choices[0].message.content}  # greedy
+    assert answer.usage.completion_tokens == 3 * alone.usage.completion_tokens
+    assert answer.usage.prompt_tokens == alone.usage.prompt_tokens
+    served = {url: state["requests"] for url, state in (await per_upstream(client)).items()}
+    assert sorted(served.values()) == [0, 4]  # routed by the prefix, all four to the upstream that holds it
 
 
 async def test_the_upstreams_must_answer_and_serve_the_model_at_start(front: Front, upstreams: list[str]) -> None:

@@ -1,0 +1,104 @@
+"""A request's choices (OpenAI's `n`): generations of one prompt, started together and read as their chunks come.
+
+Each choice is a request of its own to the engine, so the cache does for them what it does for any requests on one
+prompt: the prompt is computed once, by one choice, and the others wait for its blocks; on a local model they read
+them in place and attend to them once a step for all (README, "Many streams on one prefix"). With a seed, choice i is
+seeded as a request with seed + i would be, as vLLM seeds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+
+from prefixgate.backends import TokenChunk
+from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
+from prefixgate.proxy.upstream_engine import UpstreamEngine, UpstreamGeneration
+
+AnyEngine = Engine | UpstreamEngine  # a local model's, or one in front of upstreams
+AnyGeneration = Generation | UpstreamGeneration
+_SEEDS = 2**64  # seeds are 64-bit patterns: past the largest, choice i's wraps to the smallest unsigned ones
+
+
+class Choices:
+    """The generations of one request's choices, in order; closing them stops every one."""
+
+    def __init__(self, generations: Sequence[AnyGeneration]) -> None:
+        self.generations = tuple(generations)
+
+    @classmethod
+    async def start(cls, engine: AnyEngine, request: PromptRequest, n: int) -> Choices:
+        """Start `n` generations of the request on the engine, each up to its first token; if one fails, the others
+        are stopped and its error raised."""
+        tasks = [asyncio.ensure_future(_generate(engine, _choice(request, index))) for index in range(n)]
+        try:
+            return cls(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for started in await asyncio.gather(*tasks, return_exceptions=True):
+                if not isinstance(started, BaseException):
+                    await started.aclose()
+            raise
+
+    @property
+    def first(self) -> AnyGeneration:
+        """Return the choice whose prompt the cache served least (the one that computed it, when any did): its
+        timing and cache headers are the request's."""
+        return min(self.generations, key=lambda generation: generation.cached_tokens or 0)
+
+    def usage(self) -> Usage:
+        """Return the request's token counts: its prompt once, as `first` read it, and every choice's answer."""
+        usages = [generation.usage() for generation in self.generations]
+        prompt = min(usages, key=lambda usage: usage.cached_tokens)
+        return replace(prompt, completion_tokens=sum(usage.completion_tokens for usage in usages))
+
+    async def chunks(self) -> AsyncIterator[tuple[int, TokenChunk]]:
+        """Yield each choice's chunks with its index, as they come: the choices decode side by side."""
+        if len(self.generations) == 1:
+            async for chunk in self.generations[0]:
+                yield 0, chunk
+            return
+        waiting = {asyncio.ensure_future(_next(generation)): index for index, generation in enumerate(self.generations)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=waiting.__getitem__):
+                    index = waiting.pop(task)
+                    got = task.result()
+                    if got is not None:
+                        waiting[asyncio.ensure_future(_next(self.generations[index]))] = index
+                        yield index, got
+        finally:
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Stop every choice (each stops within a step of its model); what they computed stays cached."""
+        for generation in self.generations:
+            await generation.aclose()
+
+    async def __aenter__(self) -> Choices:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _choice(request: PromptRequest, index: int) -> PromptRequest:
+    seed = request.params.seed
+    if index == 0 or seed is None:
+        return request
+    shifted = seed + index if seed + index < _SEEDS else seed + index - _SEEDS
+    return replace(request, params=replace(request.params, seed=shifted))
+
+
+async def _generate(engine: AnyEngine, request: PromptRequest) -> AnyGeneration:
+    return await engine.generate(request)
+
+
+async def _next(generation: AnyGeneration) -> TokenChunk | None:
+    """Return the generation's next chunk, or None after its last."""
+    return await anext(generation, None)

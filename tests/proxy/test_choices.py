@@ -1,0 +1,91 @@
+"""A request's choices (`n`) on the real app and the tiny Llama: each a generation of its own on one prompt computed
+once, streamed side by side by index, seeded as vLLM seeds them, and refused whole when one cannot run."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.proxy.conftest import BLOCK_SIZE, MODEL, HeldSteps, Serve, engine_of
+from tests.proxy.conftest import chat_body as chat
+from tests.proxy.test_http_api import sse_events
+from tests.proxy.test_load import until
+
+
+@pytest.fixture
+def steps() -> HeldSteps:
+    return HeldSteps()
+
+
+async def test_n_choices_compute_the_prompt_once_and_each_samples_as_a_request_with_seed_plus_its_index(
+    serve: Serve, steps: HeldSteps
+) -> None:
+    client = await serve()
+    body = chat(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    answer = await (await client.post("/v1/chat/completions", json=body | {"n": 3})).json()
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == 3 * 8 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    # The prompt once; each other choice waits for its blocks and computes only what follows them.
+    assert sum(step.tokens("prefill") for step in steps) < usage["prompt_tokens"] + 2 * BLOCK_SIZE
+    contents = [choice["message"]["content"] for choice in answer["choices"]]
+    assert len(set(contents)) == 3  # three seeds, three answers of 8 sampled tokens
+    for index, content in enumerate(contents):
+        alone = await (await client.post("/v1/chat/completions", json=body | {"seed": 11 + index})).json()
+        assert alone["choices"][0]["message"]["content"] == content
+
+
+async def test_n_choices_stream_side_by_side_each_with_its_role_content_and_finish(serve: Serve) -> None:
+    client = await serve()
+    whole = await (await client.post("/v1/chat/completions", json=chat(max_tokens=6))).json()
+    body = chat(max_tokens=6, n=2, stream=True, stream_options={"include_usage": True})
+    events = sse_events(await (await client.post("/v1/chat/completions", json=body)).text())
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    by_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]  # one choice a chunk, as OpenAI streams them
+        by_index[choice["index"]].append(choice)
+    expected = whole["choices"][0]
+    for choices in by_index.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert choices[-1]["delta"] == {} and choices[-1]["finish_reason"] == expected["finish_reason"]
+        assert all(choice["finish_reason"] is None for choice in choices[:-1])
+        assert "".join(choice["delta"].get("content", "") for choice in choices) == expected["message"]["content"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 2 * whole["usage"]["completion_tokens"]
+    assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+async def test_completions_n_choices_each_count_their_text_offsets_from_their_own_start(serve: Serve) -> None:
+    client = await serve()
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "logprobs": 1, "n": 2}
+    whole = await (await client.post("/v1/completions", json=body)).json()
+    first, second = whole["choices"]
+    assert (first["index"], second["index"]) == (0, 1)
+    assert first["text"] == second["text"] and first["logprobs"] == second["logprobs"]  # greedy
+    events = sse_events(await (await client.post("/v1/completions", json=body | {"stream": True})).text())
+    offsets: dict[int, list[int]] = {0: [], 1: []}
+    for _, data in events[:-1]:
+        (choice,) = json.loads(data)["choices"]
+        offsets[choice["index"]] += (choice["logprobs"] or {}).get("text_offset", [])
+    assert offsets[0] == offsets[1] == first["logprobs"]["text_offset"]
+
+
+async def test_a_request_whose_choices_cannot_all_run_is_refused_whole_and_holds_nothing(
+    serve: Serve, steps: HeldSteps
+) -> None:
+    client = await serve(max_running=1, max_waiting=0)
+    steps.hold_kind = "decode"  # the admitted choice runs until released, so the other finds no room
+    body = chat(n=2, max_tokens=300, ignore_eos=True)
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 429
+    assert (await response.json())["error"]["code"] == "server_overloaded"
+    steps.released.set()
+    admission = engine_of(client).backend.admission
+    await until(lambda: admission().running == 0 and admission().bytes_in_use == 0)
+    after = await client.post("/v1/chat/completions", json=chat(max_tokens=4))
+    assert after.status == 200

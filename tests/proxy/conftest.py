@@ -84,17 +84,20 @@ HANG_GUARD_SECONDS = 60  # only a broken build waits this long
 
 
 class HeldSteps(list[StepRecord]):
-    """Record each model step; hold the model thread after the first step of a chosen kind until released."""
+    """Record each model step; hold the model thread after the first step of a chosen kind (in which at least
+    `hold_sequences` sequences compute that kind) until released."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hold_kind: str | None = None
+        self.hold_sequences = 1
         self.reached = threading.Event()
         self.released = threading.Event()
 
     def append(self, record: StepRecord) -> None:
         super().append(record)
-        if self.hold_kind is not None and record.tokens(self.hold_kind) and not self.reached.is_set():
+        held = sum(work.kind == self.hold_kind and work.tokens > 0 for work in record.work) >= self.hold_sequences
+        if self.hold_kind is not None and held and not self.reached.is_set():
             self.reached.set()
             assert self.released.wait(HANG_GUARD_SECONDS), "the test never released the model thread"
 

@@ -101,3 +101,24 @@ async def test_a_client_that_leaves_mid_stream_stops_its_generation(
     left = steps[0].seq_ids()[0]
     # Cancelled between steps, it runs in at most the step then under way.
     assert steps_of(steps, left) <= ran + 1 < 100
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_a_request_of_n_choices_stops_every_choice(
+    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None], stream: bool
+) -> None:
+    client = await serve()
+    body = chat("Tell me a story", n=3, max_tokens=400, ignore_eos=True, stream=stream)
+    request = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    steps.hold_kind, steps.hold_sequences = "decode", 3  # held once all three decode in the same step
+    done = await steps.held()
+    choices = set(steps[-1].seq_ids())
+    if request.done():  # streamed: the response is open
+        request.result().close()
+    else:
+        request.cancel()
+    for _ in choices:
+        await asyncio.wait_for(closed_handoffs.get(), HANG_GUARD_SECONDS)
+    steps.released.set()
+    await client.post("/v1/chat/completions", json=chat("Another one", max_tokens=1))
+    assert all(steps_of(steps, seq_id) <= done for seq_id in choices)

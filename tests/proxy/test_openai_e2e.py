@@ -106,6 +106,30 @@ def test_a_shared_long_system_prompt_is_served_from_cache_with_the_same_answer(
     assert other.usage.prompt_tokens_details.cached_tokens >= 1000
 
 
+def test_n_choices_through_the_openai_client_whole_and_streamed(start_server: Callable[..., Server]) -> None:
+    # float32: each choice is exactly the greedy answer of a request alone, though they share the prompt's blocks.
+    client = start_server("--dtype", "float32").client()
+    question = "How much water does step 3 use?"
+    alone = ask(client, question)
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "system", "content": MANUAL},
+        {"role": "user", "content": question},
+    ]
+    both = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, n=2)
+    assert [choice.index for choice in both.choices] == [0, 1]
+    assert [choice.message.content for choice in both.choices] == [alone.choices[0].message.content] * 2
+    assert both.usage is not None and alone.usage is not None
+    assert both.usage.completion_tokens == 2 * alone.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, n=2, stream=True
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [alone.choices[0].message.content] * 2
+
+
 def test_a_restarted_server_serves_the_prefix_from_disk(start_server: Callable[..., Server]) -> None:
     first_server = start_server("--dtype", "float32")
     first = ask(first_server.client(), "How much water does step 5 use?")

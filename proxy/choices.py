@@ -1,7 +1,7 @@
 """A request's choices (OpenAI's `n`): generations of one prompt, started together and read as their chunks come.
 
 Each choice is a request of its own to the engine, so the cache does for them what it does for any requests on one
-prompt: the prompt is computed once, by one choice, and the others wait for its blocks; on a local model they read
+prompt: its whole blocks are computed once, by one choice, and the others wait for them; on a local model they read
 them in place and attend to them once a step for all (README, "Many streams on one prefix"). With a seed, choice i is
 seeded as a request with seed + i would be, as vLLM seeds them.
 """

@@ -1,17 +1,18 @@
 """A soak under faults: mixed traffic for a long while, with the Redis tier restarted and the server killed.
 
-Run by hand: `.venv/bin/python benchmarks/soak.py` (30 minutes; `--minutes 3` for a short one). Needs `redis-server`.
-It starts a redis-server and `prefixgate serve` (SmolLM2 in float32, so a greedy answer is the same alone, batched
-or from the cache; a store folder and a 1 GiB host tier; Redis as the remote tier; three tenants by API key),
-computes a reference answer for every prompt of the workload alone, then runs `--clients` clients at once for
-`--minutes`: OpenAI chat and completions and Anthropic messages, streamed and not, greedy, tenants at random, one
-request in eight cancelled mid-stream. A third of the way in, Redis is stopped and started again; at two thirds, the
-server is killed with SIGKILL and started again on the same store.
+Run by hand: `.venv/bin/python benchmarks/soak.py` (30 minutes; `--minutes 3` for a short one). Needs `redis-server`. It
+starts a redis-server and `prefixgate serve` (SmolLM2 in float32, so a greedy answer is the same alone, batched or from
+the cache; a store folder and a 1 GiB host tier; Redis as the remote tier; three tenants by API key), computes a
+reference answer for every prompt of the workload alone, then runs `--clients` clients at once for `--minutes`: OpenAI
+chat (one choice, and 3 choices with `n`) and completions and Anthropic messages, streamed and not, greedy, tenants at
+random, one request in eight cancelled mid-stream. A third of the way in, Redis is stopped and started again; at two
+thirds, the server is killed with SIGKILL and started again on the same store.
 
-It prints requests served, errors by kind (those while the server is down are expected), requests that hung (no
-answer within `--hang` seconds: 0 expected), greedy answers that differ from their reference (0 expected), the
-server's resident memory after warming up and when it is killed, and after its restart and at the end, and a check
-that reads back every block of the disk tier (0 corrupt expected).
+It prints requests served, errors by kind (those while the server is down are expected), requests that hung (no answer
+within `--hang` seconds: 0 expected), greedy answers that differ from their reference (0 expected; each of a request's
+choices is held to the answer of one chat request alone), the server's resident memory after warming up and when it is
+killed, and after its restart and at the end, and a check that reads back every block of the disk tier (0 corrupt
+expected).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ SYSTEMS = [
 ]
 QUESTIONS = ["How much water does step 3 use?", "Which platform does train 12 leave from?", "Say hello.", "Why?"]
 PASSWORD = "soak-password"
+CHOICES = 3  # of the "chat-n" faces
 
 
 @dataclass
@@ -136,14 +138,15 @@ class Processes:
 
 def requests() -> list[tuple[str, str, str]]:
     """Return the workload: (face, system prompt, question)."""
-    faces = ["chat", "chat-stream", "completions", "messages", "messages-stream"]
+    faces = ["chat", "chat-stream", "chat-n", "chat-n-stream", "completions", "messages", "messages-stream"]
     return [(face, system, question) for face in faces for system in SYSTEMS for question in QUESTIONS]
 
 
 async def ask(
     session: aiohttp.ClientSession, url: str, key: str, face: str, system: str, question: str, cancel: bool
 ) -> str | None:
-    """Send one greedy request; return its answer's text, or None when it was cancelled on purpose."""
+    """Send one greedy request; return its answer's text (its choices' texts a line each, for the "chat-n" faces), or
+    None when it was cancelled on purpose."""
     headers = {"Authorization": f"Bearer {key}"}
     if face.startswith("chat"):
         path, body = (
@@ -155,6 +158,8 @@ async def ask(
     else:
         path, body = "/v1/messages", {"system": system, "messages": [{"role": "user", "content": question}]}
     body |= {"model": MODEL, "max_tokens": 24, "temperature": 0, "stream": face.endswith("stream")}
+    if face.startswith("chat-n"):
+        body["n"] = CHOICES
     async with session.post(f"{url}{path}", json=body, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}")
@@ -162,21 +167,26 @@ async def ask(
             answer = await response.json()
             if face == "messages":
                 return "".join(block.get("text", "") for block in answer["content"])
-            choice = answer["choices"][0]
-            return choice["message"]["content"] if face.startswith("chat") else choice["text"]
+            chat = face.startswith("chat")
+            return "\n".join(choice["message"]["content"] if chat else choice["text"] for choice in answer["choices"])
         pieces = []
+        by_choice: dict[int, list[str]] = collections.defaultdict(list)
         async for line in response.content:
             if not line.startswith(b"data: {"):
                 continue
             event = json.loads(line[len("data: ") :])
             if event.get("type") == "error" or "error" in event:
                 raise RuntimeError("error event in the stream")
-            if face == "chat-stream" and event.get("choices"):
-                pieces.append(event["choices"][0]["delta"].get("content") or "")
+            if face.startswith("chat") and event.get("choices"):
+                choice = event["choices"][0]
+                by_choice[choice["index"]].append(choice["delta"].get("content") or "")
+                pieces.append(choice["delta"].get("content") or "")
             elif event.get("type") == "content_block_delta":
                 pieces.append(event["delta"].get("text", ""))
             if cancel and len(pieces) >= 3:
                 return None  # leaving closes the connection: the server stops the request
+        if face.startswith("chat"):
+            return "\n".join("".join(by_choice[index]) for index in sorted(by_choice))
         return "".join(pieces)
 
 
@@ -243,6 +253,9 @@ async def main() -> None:
         references: dict[tuple[str, str, str], str] = {}
         async with aiohttp.ClientSession() as session:
             for face, system, question in requests():  # alone, one at a time, before any fault
+                if face.startswith("chat-n"):  # every choice is the answer of one request alone
+                    references[(face, system, question)] = "\n".join([references[("chat", system, question)]] * CHOICES)
+                    continue
                 answer = await ask(session, processes.url, "sk-acme", face, system, question, cancel=False)
                 assert answer is not None
                 references[(face, system, question)] = answer

@@ -259,11 +259,14 @@ class Backend(Protocol):
         on_block: BlockCallback | None = None,
         *,
         reservation: KVReservation | None = None,
+        prompt_tail: bool = False,
     ) -> AsyncIterator[TokenChunk]:
         """Stream the continuation of `token_ids`, starting from the KV of `cached_blocks` (block 0 first).
 
         Every cached block is whole but the last, which may hold only its leading positions (a partial block).
-        Without a `reservation` the stream reserves its own on its first iteration, waiting as `reserve` does.
+        Without a `reservation` the stream reserves its own on its first iteration, waiting as `reserve` does. With
+        `prompt_tail`, the prompt's partial last block also goes to `on_block` before the first token (for requests
+        about to follow on the same prompt, as a request's other choices do).
         """
         ...
 

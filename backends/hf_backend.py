@@ -347,6 +347,7 @@ class HFBackend:
         on_block: BlockCallback | None = None,
         *,
         reservation: KVReservation | None = None,
+        prompt_tail: bool = False,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
         try:
@@ -359,6 +360,7 @@ class HFBackend:
                 )
             shared = reservation.offset if reservation is not None else 0
             plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False, shared=shared)
+            plan = replace(plan, prompt_tail=prompt_tail)
         except BaseException:
             if reservation is not None:  # taken over all the same, as prefill() does: a refused request holds none
                 reservation.release()

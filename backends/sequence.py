@@ -59,6 +59,7 @@ class SequencePlan:
     prefill_end: int  # prompt tokens to have in the cache when prefill ends
     block_size: int
     shared: int = 0  # leading positions read from shared prefixes (the memory's offset); cached_blocks follow them
+    prompt_tail: bool = False  # hand back the prompt's partial last block as soon as it is computed
 
 
 class Sequence:
@@ -156,6 +157,8 @@ class Sequence:
 
     def _end_prefill(self, logits: torch.Tensor) -> None:
         if self._decoding is not None:
+            if self._plan.prompt_tail:
+                self._hand_back_tail()  # before the first token: whoever it lets go on finds the tail filed
             self._take(logits)
             return
         self._finished = True
@@ -189,7 +192,8 @@ class Sequence:
         self._outbox = chunk
 
     def _hand_back_tail(self) -> None:
-        """Hand back the incomplete last block (a tail), for a follow-up prompt to reuse to the token."""
+        """Hand back the incomplete last block (a tail), for a follow-up prompt (or the same one) to reuse to the
+        token."""
         size = self._plan.block_size
         index, filled = divmod(self.computed, size)
         buffer = self.memory.buffer

@@ -66,7 +66,7 @@ if (work / "sharing.json").is_file():
     measured = json.loads((work / "sharing.json").read_text())
     arrivals = {(row[0], row[1]): row for row in measured["arrivals"]}
     for prefix, streams, short, shared, ratio in measured["decode"]:
-        _, _, alone, slowest, late = arrivals[prefix, streams]
+        _, _, alone, slowest, late, *_ = arrivals[prefix, streams]
         rows.append(
             [f"{streams} streams on a cached {prefix}-token prefix ({measured['device']})", f"decode {ratio} of short",
              f"{shared} against {short} tokens/s; {streams} warm arrivals: slowest {slowest}, {late} one alone ({alone})"]

@@ -9,7 +9,8 @@ prompt of each length with one request, then prints:
    system prompt (after a first round on it, not counted); the ratio of the two (nan when the streams never all
    decoded at once).
 2. The first token of one warm request alone (a new question after the cached prefix; the median of 3), and the
-   slowest first token of N warm requests sent at once; the ratio of the two.
+   slowest first token of N warm requests sent at once; the ratio of the two; and the first tokens of one warm
+   request of N choices (`n`; its choices start streaming together).
 3. KV memory for 32 streams on the 4k prefix, at its highest while they run: the shared prefix's bytes, read in place
    in the host tier (`prefixgate_kv_shared_bytes`), and the streams' own, which admission counts
    (`prefixgate_kv_memory_bytes`); the server's resident memory added (the prefix was in the host tier before); and
@@ -68,9 +69,10 @@ def question(index: int) -> str:
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, system: str | None, content: str, max_tokens: int
+    session: aiohttp.ClientSession, url: str, system: str | None, content: str, max_tokens: int, n: int = 1
 ) -> tuple[Stream, int]:
-    """Stream one chat answer; return when its pieces arrived and how many prompt tokens came from the cache."""
+    """Stream one chat answer (of `n` choices); return when its pieces arrived and how many prompt tokens came from
+    the cache."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     body = {
         "model": MODEL,
@@ -81,7 +83,7 @@ async def send(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    } | ({"n": n} if n > 1 else {})
     record = Stream(time.perf_counter())
     cached = 0
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
@@ -112,11 +114,11 @@ async def decode_rate(url: str, system: str | None, count: int, first: int) -> f
     return pieces / (end - start)
 
 
-async def first_tokens(url: str, system: str, count: int, first: int, *, warm: bool = True) -> list[float]:
-    """Send `count` requests at once (new questions after the prefix); return their first-token times. With `warm`,
-    each must say it found part of its prompt cached (not asked of llama.cpp's server)."""
+async def first_tokens(url: str, system: str, count: int, first: int, *, warm: bool = True, n: int = 1) -> list[float]:
+    """Send `count` requests of `n` choices at once (new questions after the prefix); return their first-token
+    times. With `warm`, each must say it found part of its prompt cached (not asked of llama.cpp's server)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        results = await asyncio.gather(*(send(session, url, system, question(first + i), 1) for i in range(count)))
+        results = await asyncio.gather(*(send(session, url, system, question(first + i), 1, n) for i in range(count)))
     if warm and not all(cached for _, cached in results):
         raise RuntimeError("a warm request found nothing cached")
     return [record.ttft for record, _ in results]
@@ -246,10 +248,18 @@ async def main() -> None:
                             ]
                         )
                         slowest = max(await first_tokens(url, system, count, asked + 2 * count + 3, warm=not peer))
-                        rounds[build].append((short, shared, alone, slowest))
-                    asked += 3 * count + 3
+                        # llama.cpp's server answers one choice a request
+                        choices = (
+                            math.nan
+                            if peer
+                            else (await first_tokens(url, system, 1, asked + 3 * count + 3, n=count))[0]
+                        )
+                        rounds[build].append((short, shared, alone, slowest, choices))
+                    asked += 3 * count + 4
                 for build, measured in rounds.items():
-                    shorts, shareds, alones, slowests = (list(column) for column in zip(*measured, strict=True))
+                    shorts, shareds, alones, slowests, choice_firsts = (
+                        list(column) for column in zip(*measured, strict=True)
+                    )
                     ratios = [shared / short for short, shared in zip(shorts, shareds, strict=True)]
                     rates[build].append(
                         [
@@ -268,6 +278,7 @@ async def main() -> None:
                             f"{statistics.median(alones) * 1e3:.0f} ms",
                             f"{statistics.median(slowests) * 1e3:.0f} ms",
                             _spread(lateness, "{:.1f}x"),
+                            "-" if peer else f"{statistics.median(choice_firsts) * 1e3:.0f} ms",
                         ]
                     )
             if tokens == args.prefixes[0] and args.memory_streams and not peer:
@@ -284,7 +295,9 @@ async def main() -> None:
     table([*first, "prefix", "streams", "short prompt", "shared prefix", "ratio"], rows)
     print("First token of warm requests (new questions after the cached prefix):")
     rows = [named(build, row) for build in builds for row in arrivals[build]]
-    table([*first, "prefix", "at once", "one alone", "slowest of them", "ratio"], rows)
+    table(
+        [*first, "prefix", "at once", "one alone", "slowest of them", "ratio", "one request of as many choices"], rows
+    )
     if args.json is not None:
         tables = {
             "device": device,

@@ -1,9 +1,11 @@
 """A request's choices (OpenAI's `n`): generations of one prompt, started together and read as their chunks come.
 
 Each choice is a request of its own to the engine, so the cache does for them what it does for any requests on one
-prompt: its whole blocks are computed once, by one choice, and the others wait for them; on a local model they read
-them in place and attend to them once a step for all (README, "Many streams on one prefix"). With a seed, choice i is
-seeded as a request with seed + i would be, as vLLM seeds them.
+prompt. The first computes the prompt, and files its partial last block with the whole ones before its first token;
+the others start then, and compute only the prompt's last token, whose logits each samples its own first token from:
+on a local model they read the prompt's whole blocks in place and attend to them once a step for all (README, "Many
+streams on one prefix"); an upstream finds the prompt in its own cache. With a seed, choice i is seeded as a request
+with seed + i would be, as vLLM seeds them.
 """
 
 from __future__ import annotations
@@ -29,17 +31,25 @@ class Choices:
 
     @classmethod
     async def start(cls, engine: AnyEngine, request: PromptRequest, n: int) -> Choices:
-        """Start `n` generations of the request on the engine, each up to its first token; if one fails, the others
-        are stopped and its error raised."""
-        tasks = [asyncio.ensure_future(_generate(engine, _choice(request, index))) for index in range(n)]
+        """Start `n` generations of the request on the engine, each up to its first token: the first alone, then the
+        others together, which find the whole prompt cached but its last token (theirs to compute: its logits are
+        theirs to sample); if one fails, the others are stopped and its error raised."""
+        if n == 1:
+            return cls([await _generate(engine, request)])
+        first = await _generate(engine, replace(request, prompt_tail=True))  # its partial last block filed too
+        tasks: list[asyncio.Task[AnyGeneration]] = []
         try:
-            return cls(await asyncio.gather(*tasks))
+            if isinstance(engine, Engine):
+                await engine.wait_for_blocks()
+            tasks = [asyncio.ensure_future(_generate(engine, _choice(request, index))) for index in range(1, n)]
+            return cls([first, *await asyncio.gather(*tasks)])
         except BaseException:
             for task in tasks:
                 task.cancel()
             for started in await asyncio.gather(*tasks, return_exceptions=True):
                 if not isinstance(started, BaseException):
                     await started.aclose()
+            await first.aclose()
             raise
 
     @property

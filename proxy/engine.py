@@ -97,6 +97,7 @@ class PromptRequest:
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
     extensions: dict[str, Any] = field(default_factory=dict)  # fields vLLM and SGLang take, passed on to upstreams
+    prompt_tail: bool = False  # file the prompt's partial last block before the first token (for choices to follow)
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -287,6 +288,7 @@ class Engine:
                 params,
                 on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
+                prompt_tail=request.prompt_tail,
             )
         except BaseException as error:
             if reservation is not None:

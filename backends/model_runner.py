@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,6 +74,31 @@ def _rotate_by_stored_angles(model: PreTrainedModel) -> None:
         module.forward = stored
 
 
+# torch.fx traces by replacing `torch.nn.Module.__call__` for every module in the process while it traces, and
+# torch.compile traces (its graphs, inductor's patterns) in the thread that compiles a step while the model thread
+# serves eagerly: an eager step whose modules were called in such a moment failed ("module is not installed as a
+# submodule", a soak's requests in the minutes after a start, benchmarks/soak.py). So a trace and an eager step never
+# overlap: each takes this lock (reentrant: traces nest), and an eager step waits for a trace under way, each a few
+# milliseconds to seconds, only while a step compiles.
+_TRACING = threading.RLock()
+
+
+def _traced_alone(trace: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(trace)
+    def alone(*args: Any, **kwargs: Any) -> Any:
+        with _TRACING:
+            return trace(*args, **kwargs)
+
+    alone.__wrapped_by_prefixgate__ = True  # type: ignore[attr-defined]
+    return alone
+
+
+def _trace_alone() -> None:
+    """Have every torch.fx trace take `_TRACING` (once per process)."""
+    if not getattr(torch.fx.Tracer.trace, "__wrapped_by_prefixgate__", False):
+        torch.fx.Tracer.trace = _traced_alone(torch.fx.Tracer.trace)  # type: ignore[method-assign]
+
+
 def _call_compiled(
     compiled: _Step, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor, *, compile_new: bool
 ) -> torch.Tensor:
@@ -106,7 +132,7 @@ class ModelRunner:
         self.cache_argument = names[0]
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._unpacked = str(model.config._attn_implementation)
-        self._step: _Step = self._eager  # the packed step `run` takes: eager, or compiled once `compile` is done
+        self._step: _Step = self._eager_alone  # the packed step `run` takes: eager, or compiled once `compile` is done
 
     def context_tokens(self) -> float:
         """Return the context at which a new token's attention costs about as much as the rest of its layer; infinity
@@ -171,6 +197,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
         _rotate_by_stored_angles(self.model)
+        _trace_alone()
         eager = types.FunctionType(ModelRunner._eager.__code__.replace(), ModelRunner._eager.__globals__)
         compiled = torch.compile(types.MethodType(eager, self), dynamic=False, options=options)
         for inputs in warm_ups:
@@ -191,6 +218,11 @@ class ModelRunner:
         with attention.packed_step(batch):
             logits = step(input_ids, position_ids, last)  # logits: [1, len(last), vocab]
         return logits[0, : len(inputs)].float()
+
+    def _eager_alone(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """The eager step, never while another thread traces (see `_TRACING`)."""
+        with _TRACING:
+            return self._eager(input_ids, position_ids, last)
 
     def _eager(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=last)

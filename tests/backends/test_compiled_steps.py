@@ -231,3 +231,34 @@ def test_auto_compiles_where_linear_weights_are_packed(
             assert backend.steps == "eager"
             compiled += 1
     assert len(started) == compiled
+
+
+def test_an_eager_step_waits_for_a_trace_in_another_thread_where_unguarded_it_failed(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    runner = ModelRunner(make_llama(tokenizer))
+    model_runner._trace_alone()  # as compiling a step does
+    inside, leave = threading.Event(), threading.Event()
+
+    class Held(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            assert leave.wait(60), "the test never let the trace end"
+            return x + 1
+
+    tracing = threading.Thread(target=torch.fx.symbolic_trace, args=(Held(),))
+    tracing.start()
+    assert inside.wait(60)
+    ids, positions, last = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), torch.tensor([2])
+    # Every module call in the process goes through the tracer while it traces: the model's calls fail there.
+    with pytest.raises(NameError, match="not installed as a submodule"):
+        runner._eager(ids, positions, last)
+    assert not model_runner._TRACING.acquire(blocking=False)  # the trace holds the lock an eager step takes
+    done: list[torch.Tensor] = []
+    stepping = threading.Thread(target=lambda: done.append(runner._eager_alone(ids, positions, last)))
+    stepping.start()
+    leave.set()
+    tracing.join()
+    stepping.join()
+    assert done and done[0].shape == (1, 1, len(tokenizer))
+    assert torch.equal(done[0], runner._eager(ids, positions, last))  # the step it would have run alone

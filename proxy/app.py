@@ -195,9 +195,9 @@ async def _generate(
             chunks[index].append(chunk)
     render = api.chat_completion if chat else api.text_completion
     answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
-    first = choices.generations[0]
+    first = choices.first
     payload = render(first.request_id, body.model, answers, choices.usage(), first.system_fingerprint)
-    return web.json_response(payload, headers=_headers(choices.first))
+    return web.json_response(payload, headers=_headers(first))
 
 
 async def _prompt(
@@ -366,7 +366,7 @@ async def _stream(
     )
     await response.prepare(request)
     created = int(time.time())
-    first = choices.generations[0]
+    first = choices.first
     rid = first.request_id
     kind = "chat.completion.chunk" if chat else "text_completion"
 

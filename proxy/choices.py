@@ -54,15 +54,14 @@ class Choices:
 
     @property
     def first(self) -> AnyGeneration:
-        """Return the choice whose prompt the cache served least (the one that computed it, when any did): its
-        timing and cache headers are the request's."""
-        return min(self.generations, key=lambda generation: generation.cached_tokens or 0)
+        """Return the first choice, which started alone and computed what the prompt lacked: its id, timing and
+        cache headers are the request's."""
+        return self.generations[0]
 
     def usage(self) -> Usage:
         """Return the request's token counts: its prompt once, as `first` read it, and every choice's answer."""
-        usages = [generation.usage() for generation in self.generations]
-        prompt = min(usages, key=lambda usage: usage.cached_tokens)
-        return replace(prompt, completion_tokens=sum(usage.completion_tokens for usage in usages))
+        completion = sum(generation.usage().completion_tokens for generation in self.generations)
+        return replace(self.first.usage(), completion_tokens=completion)
 
     async def chunks(self) -> AsyncIterator[tuple[int, TokenChunk]]:
         """Yield each choice's chunks with its index, as they come: the choices decode side by side."""

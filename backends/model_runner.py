@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 from transformers import DynamicCache, PreTrainedModel
 
 from prefixgate.backends import attention
@@ -76,25 +77,40 @@ def _rotate_by_stored_angles(model: PreTrainedModel) -> None:
 
 # torch.fx traces by replacing `torch.nn.Module.__call__` for every module in the process while it traces, and
 # torch.compile traces (its graphs, inductor's patterns) in the thread that compiles a step while the model thread
-# serves eagerly: an eager step whose modules were called in such a moment failed ("module is not installed as a
-# submodule", a soak's requests in the minutes after a start, benchmarks/soak.py). So a trace and an eager step never
-# overlap: each takes this lock (reentrant: traces nest), and an eager step waits for a trace under way, each a few
-# milliseconds to seconds, only while a step compiles.
+# serves eagerly. Most tracers make each call a node of their graph, and an eager step whose modules were called in
+# such a moment failed ("module is not installed as a submodule", a soak's requests in the minutes after a start,
+# benchmarks/soak.py). So such a trace and an eager step never overlap: each takes this lock (reentrant: traces nest),
+# and an eager step waits for a trace under way. make_fx's tracer, which traces the whole step for AOT autograd (one
+# trace of 5 s on 2 cores), runs every module as it is called instead, and does without the lock.
 _TRACING = threading.RLock()
+
+
+def _passes_calls_through(tracer: torch.fx.Tracer) -> bool:
+    """Whether a tracer, while it traces, leaves other threads' module calls as they were: make_fx's runs each module
+    as it is and hands back its attributes as they are, and wraps no functions (the tracers built on it that record
+    module paths define their own calls, and take the lock)."""
+    kind = type(tracer)
+    return (
+        kind.call_module is PythonKeyTracer.call_module
+        and kind.getattr is PythonKeyTracer.getattr
+        and not getattr(tracer, "_autowrap_function_ids", True)
+    )
 
 
 def _traced_alone(trace: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(trace)
-    def alone(*args: Any, **kwargs: Any) -> Any:
+    def alone(tracer: torch.fx.Tracer, *args: Any, **kwargs: Any) -> Any:
+        if _passes_calls_through(tracer):
+            return trace(tracer, *args, **kwargs)
         with _TRACING:
-            return trace(*args, **kwargs)
+            return trace(tracer, *args, **kwargs)
 
     alone.__wrapped_by_prefixgate__ = True  # type: ignore[attr-defined]
     return alone
 
 
 def _trace_alone() -> None:
-    """Have every torch.fx trace take `_TRACING` (once per process)."""
+    """Have every torch.fx trace that reaches other threads' module calls take `_TRACING` (once per process)."""
     if not getattr(torch.fx.Tracer.trace, "__wrapped_by_prefixgate__", False):
         torch.fx.Tracer.trace = _traced_alone(torch.fx.Tracer.trace)  # type: ignore[method-assign]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedTokenizerFast
 
@@ -262,3 +263,36 @@ def test_an_eager_step_waits_for_a_trace_in_another_thread_where_unguarded_it_fa
     stepping.join()
     assert done and done[0].shape == (1, 1, len(tokenizer))
     assert torch.equal(done[0], runner._eager(ids, positions, last))  # the step it would have run alone
+
+
+def test_an_eager_step_runs_beside_a_make_fx_trace_which_runs_every_module_as_called(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    # make_fx's traces (AOT autograd's of the whole step, seconds long) replace every module's call too, but run each
+    # module as it is: an eager step goes on through them, and waits for nothing.
+    runner = ModelRunner(make_llama(tokenizer))
+    ids, positions, last = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), torch.tensor([2])
+    alone = runner._eager(ids, positions, last)
+    model_runner._trace_alone()
+    call = torch.nn.Module.__call__
+    inside, leave = threading.Event(), threading.Event()
+
+    def held(x: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        assert leave.wait(60), "the test never let the trace end"
+        return torch.nn.ReLU()(x)
+
+    tracing = threading.Thread(target=make_fx(held), args=(torch.ones(2),))
+    tracing.start()
+    try:
+        assert inside.wait(60)
+        assert torch.nn.Module.__call__ is not call  # the trace has replaced every module's call
+        done: list[torch.Tensor] = []
+        stepping = threading.Thread(target=lambda: done.append(runner._eager_alone(ids, positions, last)))
+        stepping.start()
+        stepping.join(60)  # within the trace: it is held until `leave`
+        assert done, "the eager step waited for the trace"
+        assert torch.equal(done[0], alone)
+    finally:
+        leave.set()
+        tracing.join()

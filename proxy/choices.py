@@ -28,6 +28,7 @@ class Choices:
 
     def __init__(self, generations: Sequence[AnyGeneration]) -> None:
         self.generations = tuple(generations)
+        self._reading: dict[asyncio.Future[TokenChunk | None], int] = {}  # each choice's next chunk, being read
 
     @classmethod
     async def start(cls, engine: AnyEngine, request: PromptRequest, n: int) -> Choices:
@@ -69,23 +70,26 @@ class Choices:
             async for chunk in self.generations[0]:
                 yield 0, chunk
             return
-        waiting = {asyncio.ensure_future(_next(generation)): index for index, generation in enumerate(self.generations)}
+        reading = self._reading
+        for index, generation in enumerate(self.generations):
+            reading[asyncio.ensure_future(_next(generation))] = index
         try:
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=waiting.__getitem__):
-                    index = waiting.pop(task)
+            while reading:
+                done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=reading.__getitem__):
+                    index = reading.pop(task)
                     got = task.result()
                     if got is not None:
-                        waiting[asyncio.ensure_future(_next(self.generations[index]))] = index
+                        reading[asyncio.ensure_future(_next(self.generations[index]))] = index
                         yield index, got
         finally:
-            for task in waiting:
-                task.cancel()
-            await asyncio.gather(*waiting, return_exceptions=True)
+            await self._stop_reading()
 
     async def aclose(self) -> None:
         """Stop every choice (each stops within a step of its model); what they computed stays cached."""
+        # A reader that stopped reading `chunks` (a write to a client that left failed) leaves it suspended, with the
+        # other choices' reads inside their generations: a generation cannot be closed while one runs in it.
+        await self._stop_reading()
         for generation in self.generations:
             await generation.aclose()
 
@@ -94,6 +98,14 @@ class Choices:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def _stop_reading(self) -> None:
+        """Cancel the reads of next chunks under way, and wait until each has left its generation."""
+        reads = list(self._reading)
+        self._reading.clear()
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
 
 
 def _choice(request: PromptRequest, index: int) -> PromptRequest:

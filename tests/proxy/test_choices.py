@@ -3,11 +3,15 @@ once, streamed side by side by index, seeded as vLLM seeds them, and refused who
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 
+from prefixgate.backends import SamplingParams
+from prefixgate.proxy.choices import Choices
+from prefixgate.proxy.engine import PromptRequest
 from tests.proxy.conftest import BLOCK_SIZE, MODEL, HeldSteps, Serve, engine_of
 from tests.proxy.conftest import chat_body as chat
 from tests.proxy.test_http_api import sse_events
@@ -92,3 +96,30 @@ async def test_a_request_whose_choices_cannot_all_run_is_refused_whole_and_holds
     await until(lambda: admission().running == 0 and admission().bytes_in_use == 0)
     after = await client.post("/v1/chat/completions", json=chat(max_tokens=4))
     assert after.status == 200
+
+
+async def test_choices_closed_while_their_next_chunks_are_read_stop_the_reads_then_every_choice(
+    serve: Serve, steps: HeldSteps
+) -> None:
+    # As when a write to a client that left fails: the reader leaves `chunks` where it stopped, the other choices' next
+    # chunks still being read inside their generations, and closes the choices.
+    client = await serve()
+    engine = engine_of(client)
+    steps.hold_kind, steps.hold_sequences = "decode", 3  # no chunk comes after this step's but those already out
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    choices = await Choices.start(engine, PromptRequest(SamplingParams(max_tokens=300, ignore_eos=True), messages), 3)
+    done = await steps.held()
+    sequences = steps[-1].seq_ids()
+    try:
+        with pytest.raises(ConnectionResetError):
+            async with choices:
+                async for _ in choices.chunks():
+                    await asyncio.sleep(0)  # the chunk's write, during which the reads under way run
+                    if not any(read.done() for read in choices._reading):  # each waits in its generation
+                        raise ConnectionResetError("Cannot write to closing transport")
+    finally:
+        steps.released.set()
+    admission = engine.backend.admission
+    await until(lambda: admission().running == 0 and admission().bytes_in_use == 0)
+    await client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert all(sum(seq in step.seq_ids() for step in steps) <= done for seq in sequences)

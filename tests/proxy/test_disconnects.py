@@ -7,6 +7,7 @@ learns that the server has dropped the request from the request's own hand-off b
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,7 +106,7 @@ async def test_a_client_that_leaves_mid_stream_stops_its_generation(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_leaves_a_request_of_n_choices_stops_every_choice(
-    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None], stream: bool
+    serve: Serve, steps: HeldSteps, closed_handoffs: asyncio.Queue[None], stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = await serve()
     body = chat("Tell me a story", n=3, max_tokens=400, ignore_eos=True, stream=stream)
@@ -122,3 +123,5 @@ async def test_a_client_that_leaves_a_request_of_n_choices_stops_every_choice(
     steps.released.set()
     await client.post("/v1/chat/completions", json=chat("Another one", max_tokens=1))
     assert all(steps_of(steps, seq_id) <= done for seq_id in choices)
+    # A client that leaves is no fault of the server's: nothing is logged as one.
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]

@@ -11,8 +11,8 @@ thirds, the server is killed with SIGKILL and started again on the same store.
 It prints requests served, errors by kind (those while the server is down are expected), requests that hung (no answer
 within `--hang` seconds: 0 expected), greedy answers that differ from their reference (0 expected; each of a request's
 choices is held to the answer of one chat request alone), the server's resident memory after warming up and when it is
-killed, and after its restart and at the end, and a check that reads back every block of the disk tier (0 corrupt
-expected).
+killed, and after its restart and at the end, the errors the server logged (0 expected: a request it failed, even one
+whose client had left, is one), and a check that reads back every block of the disk tier (0 corrupt expected).
 """
 
 from __future__ import annotations
@@ -217,6 +217,12 @@ async def client(
                 tally.differing.append(f"{face} {question!r}: {answer!r} != {references[(face, system, question)]!r}")
 
 
+def server_errors(folder: Path) -> list[str]:
+    """Return the lines the server logged at ERROR level, over both its runs."""
+    log = (folder / "server.log").read_text(errors="replace")
+    return [line for line in log.splitlines() if " ERROR " in line]
+
+
 def check_store(folder: Path) -> tuple[int, int]:
     """Read back every block of the disk tier; return (blocks read, corrupt)."""
     backend = HFBackend.load(MODEL, dtype="float32", compile_steps=False)  # read for its layout only
@@ -291,6 +297,10 @@ async def main() -> None:
         f"resident memory: {start_rss / mib:.0f} MiB after warming up, {killed_rss / mib:.0f} MiB when killed "
         f"(two thirds in); restarted {restarted_rss / mib:.0f} MiB, {end_rss / mib:.0f} MiB at the end"
     )
+    errors = server_errors(folder)
+    print(f"server errors logged: {len(errors)}")
+    for line in errors[:5]:
+        print(f"  {line}")
     print(f"store check: {read} blocks read back from the disk tier, {corrupt} corrupt")
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -1,0 +1,120 @@
+"""Compiling the step under traffic: how long the background compile takes while clients keep the model busy, and what
+the streams get meanwhile and after.
+
+Run by hand: `.venv/bin/python benchmarks/compile_bench.py` (up to `--minutes`, 10 by default). It loads SmolLM2 as a
+server does by default (bfloat16 where the CPU has AVX-512 BF16, the step compiling in a thread of its own), with a
+fresh compile cache in a temporary folder, and from the start runs `--clients` clients in the same process, each asking
+one short chat (`--tokens` tokens) after another through the engine, until the step has been compiled for `--after`
+seconds or `--minutes` have passed. It prints when the step was compiled (or that it was not), the tokens/s of all
+clients while it compiled and after, and the longest and 99th-percentile gap between a stream's tokens. `--nice N`
+runs the compiling thread at nice N instead of the 19 it is built with, to weigh the trade-off. Where the step is not
+compiled by default (nothing prepacked), it says so and stops. A run that ends while the step still compiles may abort
+on its way out ("terminate called without an active exception"), after its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from batching_bench import table
+
+from prefixgate.backends import HFBackend, SamplingParams
+from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+
+MODEL = "smollm2-135m"
+BUILT_NICE = 19  # what the compiling thread sets itself to
+
+
+def at_nice(nice: int) -> None:
+    """Have the compiling thread set itself to `nice` instead of BUILT_NICE."""
+    set_priority = os.setpriority
+
+    def replaced(which: int, who: int, priority: int) -> None:
+        set_priority(which, who, nice if priority == BUILT_NICE else priority)
+
+    os.setpriority = replaced
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=24, help="tokens of each answer")
+    parser.add_argument("--minutes", type=float, default=10, help="the longest the clients run")
+    parser.add_argument("--after", type=float, default=90, help="seconds the clients run once the step is compiled")
+    parser.add_argument("--nice", type=int, default=BUILT_NICE, help="the compiling thread's nice value")
+    args = parser.parse_args()
+    if args.nice != BUILT_NICE:
+        at_nice(args.nice)
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(folder) / "inductor")  # compiled from nothing
+        backend = await asyncio.to_thread(HFBackend.load, MODEL)
+        compiling = backend.compiling
+        if compiling is None:
+            print(f"the step is not compiled by default here (steps: {backend.steps}); nothing to measure")
+            return
+        geometry = backend.geometry
+        layout = BlockLayout(geometry.block_shape, geometry.dtype)
+        tiers = StoreConfig(TierConfig(0), TierConfig(1 << 28), TierConfig(1 << 28))  # the host tier and the disk
+        store = TieredStore.open(Path(folder) / "store", layout, tiers)
+        engine = Engine(backend, store)
+        started = time.perf_counter()
+        compiled_at: float | None = None
+        stamps: list[float] = []
+        gaps: list[float] = []
+
+        def running() -> bool:
+            nonlocal compiled_at
+            now = time.perf_counter()
+            if compiled_at is None and not compiling.is_alive():
+                compiled_at = now
+            return now - started < args.minutes * 60 and (compiled_at is None or now - compiled_at < args.after)
+
+        async def client(index: int) -> None:
+            asked = 0
+            while running():
+                messages = [{"role": "user", "content": f"Tell me about the number {index * 1000 + asked}."}]
+                params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+                generation = await engine.generate(PromptRequest(params, messages=messages))
+                last = time.perf_counter()
+                async with generation:
+                    async for _ in generation:
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        stamps.append(now)
+                        last = now
+                asked += 1
+
+        try:
+            await asyncio.gather(*(client(index) for index in range(args.clients)))
+        finally:
+            await engine.close()
+    ended = time.perf_counter()
+    until = compiled_at or ended
+    during = sum(stamp < until for stamp in stamps) / (until - started)
+    after = f"{sum(stamp >= until for stamp in stamps) / (ended - until):.1f}" if compiled_at else "-"
+    gaps.sort()
+    compiled = f"{compiled_at - started:.0f} s" if compiled_at else f"not in {ended - started:.0f} s"
+    table(
+        ["nice", "clients", "compiled after", "tokens/s while compiling", "tokens/s after", "slowest gap", "99th pct"],
+        [
+            [
+                str(args.nice),
+                str(args.clients),
+                compiled,
+                f"{during:.1f}",
+                after,
+                f"{gaps[-1] * 1e3:.0f} ms",
+                f"{gaps[int(len(gaps) * 0.99)] * 1e3:.0f} ms",
+            ]
+        ],
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

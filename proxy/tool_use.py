@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from prefixgate.backends import TokenChunk, ToolCallDelta
+from prefixgate.backends import TokenChunk
 from prefixgate.backends.tool_calls import ToolFormat, json_rule
 from prefixgate.errors import RequestError
 
@@ -35,7 +35,7 @@ def answer_grammar(
 
 class ToolCallStream:
     """Turn a local model's answer, chunk by chunk, into text and tool calls, by its format: text that may begin a
-    call is held back until it is one (sent as a call, whole) or is not (sent as text)."""
+    call is held back until it is one or is not (sent as text); a call's arguments stream once it shows it is one."""
 
     def __init__(self, tool_format: ToolFormat) -> None:
         self._format = tool_format
@@ -43,17 +43,15 @@ class ToolCallStream:
         self._calls = 0
 
     def chunk(self, chunk: TokenChunk) -> TokenChunk:
-        """Return the chunk with its text split into what is text and the calls completed in it."""
+        """Return the chunk with its text split into what is text and the pieces of calls in it."""
         parsed = self._parser.feed(chunk.text)
-        text, calls = parsed.text, list(parsed.calls)
+        text, pieces = parsed.text, parsed.calls
         if chunk.finish_reason is not None:
             rest = self._parser.finish()
-            text, calls = text + rest.text, calls + list(rest.calls)
-        deltas = tuple(
-            ToolCallDelta(self._calls + index, self._format.new_id(), call.name, call.arguments)
-            for index, call in enumerate(calls)
-        )
-        self._calls += len(calls)
+            text, pieces = text + rest.text, pieces + rest.calls
+        # Each call's first piece names it, and takes an id.
+        deltas = tuple(piece if piece.name is None else replace(piece, id=self._format.new_id()) for piece in pieces)
+        self._calls += sum(piece.name is not None for piece in pieces)
         # As OpenAI says it: an answer the model ended after calling tools finished to call them.
         finish = "tool_calls" if chunk.finish_reason == "stop" and self._calls else chunk.finish_reason
         return replace(chunk, text=text, tool_calls=deltas, finish_reason=finish)

@@ -78,5 +78,9 @@ def _wrap(schema: dict[str, Any], parallel: bool) -> str:
 
 
 FORMAT = ToolFormat(
-    "generic", Markers("{", anywhere=False, start_in_body=True), _body, _wrap, call_at="/properties/tool_calls/items"
+    "generic",
+    Markers("{", anywhere=False, start_in_body=True, sites=(("tool_calls", "[]"),)),
+    _body,
+    _wrap,
+    call_at="/properties/tool_calls/items",
 )

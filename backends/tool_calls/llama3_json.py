@@ -20,5 +20,9 @@ def _wrap(schema: dict[str, Any], parallel: bool) -> str:
 
 
 FORMAT = ToolFormat(
-    "llama3_json", Markers("{", anywhere=False, start_in_body=True), _body, _wrap, arguments_key="parameters"
+    "llama3_json",
+    Markers("{", anywhere=False, start_in_body=True, arguments_keys=("parameters", "arguments")),
+    _body,
+    _wrap,
+    arguments_key="parameters",
 )

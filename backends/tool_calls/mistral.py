@@ -23,4 +23,6 @@ def _wrap(schema: dict[str, Any], parallel: bool) -> str:
     return f'start: "[TOOL_CALLS]" "[" one{more} "]"\none: {call}\n'
 
 
-FORMAT = ToolFormat("mistral", Markers("[TOOL_CALLS]"), _body, _wrap, special_markers=True, new_id=short_call_id)
+FORMAT = ToolFormat(
+    "mistral", Markers("[TOOL_CALLS]", sites=((), ("[]",))), _body, _wrap, special_markers=True, new_id=short_call_id
+)

@@ -1,19 +1,33 @@
 """Tool-call formats: each parser on recorded answers of its family, whole and split across stream pieces at every
-point, text that only looks like a call left as text; which format a chat template has; and, for each format, the
-tiny model of that family's template held by the format's grammar to a call valid against the tool's schema."""
+point, text that only looks like a call left as text; a call's arguments streamed as they are written, and as far as
+they came when the answer ends; any answer parsed the same however it is cut; which format a chat template has; and,
+for each format, the tiny model of that family's template held by the format's grammar to a call valid against the
+tool's schema."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
-from prefixgate.backends import HFBackend, SamplingParams
-from prefixgate.backends.tool_calls import ParsedCall, ToolFormat, format_for, generic, hermes, llama3_json, mistral
+from prefixgate.backends import HFBackend, SamplingParams, ToolCallDelta
+from prefixgate.backends.tool_calls import (
+    Parsed,
+    ParsedCall,
+    ToolFormat,
+    format_for,
+    generic,
+    hermes,
+    llama3_json,
+    mistral,
+)
 from prefixgate.proxy.answer import assemble
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
@@ -75,6 +89,7 @@ LOOKALIKES: list[tuple[ToolFormat, str]] = [
 
 
 def parse(tool_format: ToolFormat, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
+    """Return the text an answer streamed in `pieces` sends, and its calls, each joined from its pieces."""
     parser = tool_format.parser()
     text, calls = [], []
     for piece in pieces:
@@ -82,7 +97,13 @@ def parse(tool_format: ToolFormat, pieces: list[str]) -> tuple[str, list[ParsedC
         text.append(parsed.text)
         calls += parsed.calls
     parsed = parser.finish()
-    return "".join(text) + parsed.text, calls + list(parsed.calls)
+    calls += parsed.calls
+    named = [call for call in calls if call.name is not None]
+    assert [call.index for call in named] == list(range(len(named)))  # each call named once, by its first piece
+    joined = [
+        ParsedCall(call.name or "", "".join(c.arguments for c in calls if c.index == call.index)) for call in named
+    ]
+    return "".join(text) + parsed.text, joined
 
 
 def splits(text: str) -> Iterator[list[str]]:
@@ -112,6 +133,86 @@ def test_text_that_only_looks_like_a_call_stays_text(tool_format: ToolFormat, an
 def test_llama3_calls_may_name_their_arguments_either_way() -> None:
     answer = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
     assert parse(llama3_json.FORMAT, [answer]) == ("", [ParsedCall("get_weather", '{"city":"Paris","days":2}')])
+
+
+@pytest.mark.parametrize(("tool_format", "answer", "text", "calls"), RECORDED, ids=[r[0].name for r in RECORDED])
+def test_a_calls_arguments_stream_from_its_name_on_as_the_model_writes_them(
+    tool_format: ToolFormat, answer: str, text: str, calls: list[ParsedCall]
+) -> None:
+    parser = tool_format.parser()
+    sent: list[tuple[int, str]] = []  # (characters of the answer fed, a piece's arguments)
+    for at, char in enumerate(answer, 1):
+        sent += [(at, piece.arguments) for piece in parser.feed(char).calls if piece.arguments]
+    sent += [(len(answer), piece.arguments) for piece in parser.finish().calls if piece.arguments]
+    # The first call's arguments begin with the character that opens them, and each character goes as it comes.
+    opens = answer.index("{", answer.index(calls[0].name) + len(calls[0].name))
+    assert sent[0] == (opens + 1, "{")
+    streamed = [(at, arguments) for at, arguments in sent if at < len(answer)]
+    assert "".join(arguments for _, arguments in streamed) == "".join(call.arguments for call in calls)
+
+
+@pytest.mark.parametrize(("tool_format", "answer", "text", "calls"), RECORDED, ids=[r[0].name for r in RECORDED])
+def test_a_call_cut_off_by_the_answers_end_keeps_the_arguments_it_wrote(
+    tool_format: ToolFormat, answer: str, text: str, calls: list[ParsedCall]
+) -> None:
+    cut = answer.index('"Paris"') + len('"Par')  # as max_tokens cuts an answer
+    assert parse(tool_format, [answer[:cut]]) == (text.removesuffix("\n"), [ParsedCall("get_weather", '{"city":"Par')])
+
+
+def test_a_call_that_names_itself_after_its_arguments_or_writes_them_as_a_string_goes_whole() -> None:
+    # Its name is not known when its arguments begin, so nothing of it streams; its body reads whole at its end.
+    backwards = '<tool_call>{"arguments": {"city": "Paris", "days": 2}, "name": "get_weather"}</tool_call>'
+    as_string = (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}</tool_call>'
+    )
+    for answer in (backwards, as_string):
+        parser = hermes.FORMAT.parser()
+        assert parser.feed(answer[: -len("</tool_call>")]) == Parsed("")
+        assert parser.feed("</tool_call>") == Parsed(
+            "", (ToolCallDelta(0, name="get_weather", arguments='{"city":"Paris","days":2}'),)
+        )
+
+
+def test_white_space_in_the_arguments_strings_is_kept_and_between_their_tokens_left_out() -> None:
+    answer = (
+        '<tool_call>\n{"name": "note", "arguments": {"text": " two  spaces\\n ", "tags": [ "a" , "b" ]}}\n</tool_call>'
+    )
+    assert parse(hermes.FORMAT, list(answer)) == (
+        "",
+        [ParsedCall("note", '{"text":" two  spaces\\n ","tags":["a","b"]}')],
+    )
+
+
+# What the property below edits answers with: each format's markers, JSON's punctuation, the keys calls use.
+PIECES = [
+    *("<tool_call>", "</tool_call>", "[TOOL_CALLS]", ";", "\n", " ", "a"),
+    *("{", "}", "[", "]", ":", ",", '"', "\\", "1", "true"),
+    *('"name"', '"arguments"', '"parameters"', '"tool_calls"', '"get_time"', '"x y"', '"\\""'),
+]
+
+
+@st.composite
+def edited_answers(draw: st.DrawFn) -> str:
+    """Return a recorded answer of any format with a few pieces put in or characters taken out."""
+    answer = draw(st.sampled_from([recorded for _, recorded, _, _ in RECORDED]))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(answer)))
+        if draw(st.booleans()):
+            answer = answer[:at] + draw(st.sampled_from(PIECES)) + answer[at:]
+        else:
+            answer = answer[:at] + answer[at + draw(st.integers(1, 8)) :]
+    return answer
+
+
+@settings(max_examples=300, deadline=None)
+@given(edited_answers(), st.lists(st.integers(0, 200), max_size=8))
+def test_any_answer_parses_the_same_however_the_stream_cuts_it(answer: str, cuts: list[int]) -> None:
+    at = sorted({min(cut, len(answer)) for cut in cuts} | {0, len(answer)})
+    split = [answer[start:end] for start, end in itertools.pairwise(at)]
+    for tool_format in (hermes.FORMAT, llama3_json.FORMAT, mistral.FORMAT, generic.FORMAT):
+        whole = parse(tool_format, [answer])  # parse also checks that calls are numbered in the order they begin
+        assert parse(tool_format, split) == whole
+        assert parse(tool_format, list(answer)) == whole
 
 
 def test_plain_text_is_held_back_only_while_it_may_begin_a_call() -> None:

@@ -1,7 +1,7 @@
 """Agents end to end: `prefixgate serve` on the real SmolLM2 (whose chat template renders no tools: the generic
 format), driven by the official `openai` and `anthropic` clients. Forced and named tool calls valid against their
-schemas, whole and streamed; JSON answers valid against theirs; logprobs that agree with the greedy choices; a
-tool-result turn served from the cache; the agent loop example."""
+schemas, whole and streamed (their arguments in pieces), and cut off by max_tokens; JSON answers valid against theirs;
+logprobs that agree with the greedy choices; a tool-result turn served from the cache; the agent loop example."""
 
 from __future__ import annotations
 
@@ -90,6 +90,23 @@ def test_forced_and_named_tool_calls_are_valid_against_their_schemas_whole_and_s
         streamed = "".join(piece.function.arguments or "" for piece in pieces if piece.function and piece.index == 0)
         assert json.loads(streamed) == json.loads(answer.message.tool_calls[0].function.arguments)  # type: ignore[union-attr]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # The arguments stream as the model writes them: the call's first piece names it, the others add to them.
+        first, *rest = [piece for piece in pieces if piece.index == 0]
+        assert first.id and first.type == "function" and rest
+        assert all(piece.id is None and piece.function and piece.function.name is None for piece in rest)
+
+
+def test_a_call_cut_off_by_max_tokens_comes_back_as_the_call_it_began(server: Server) -> None:
+    client = server.client()
+    fields: Any = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    whole = client.chat.completions.create(max_tokens=64, **fields)
+    assert whole.choices[0].message.tool_calls and whole.usage
+    call = whole.choices[0].message.tool_calls[0].function  # type: ignore[union-attr]
+    # Cut inside its arguments (the last tokens close them, the call, the list and the answer's object).
+    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 4, **fields).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None and cut.message.tool_calls
+    begun = cut.message.tool_calls[0].function  # type: ignore[union-attr]
+    assert begun.name == call.name and call.arguments.startswith(begun.arguments) and begun.arguments != call.arguments
 
 
 def test_json_answers_are_valid_against_their_schema(server: Server) -> None:
@@ -172,8 +189,11 @@ def test_anthropic_clients_get_a_tool_use_block_whole_and_streamed(server: Serve
     assert len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER_PARAMETERS)
     with messages.stream(tool_choice={"type": "any"}, **fields) as stream:
+        events = [event for event in stream]
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    assert len([delta for delta in deltas if delta.type == "input_json_delta"]) > 1  # the input streams in pieces
     assert [block.input for block in final.content if block.type == "tool_use"] == [uses[0].input]
 
 

@@ -197,6 +197,8 @@ class Backend(Protocol):
     prefix_reuse: bool
     reuse_refusal: str | None
     tool_format: ToolFormat  # how the model writes tool calls, by its chat template
+    # The tags a reasoning model thinks between, by its chat template (`<think>`, `</think>`); None for others.
+    reasoning_tags: tuple[str, str] | None
     steps: str  # how the model's steps run: "eager", "compiling" (eager until done) or "compiled"
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -120,6 +120,7 @@ class HFBackend:
         self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
         self.tool_format: ToolFormat = format_for(tokenizer.chat_template)
+        self.reasoning_tags = _reasoning_tags(tokenizer.chat_template)
         self._grammars = Grammars(tokenizer)
         # Each token's text alone, for log probabilities: decoded once per token id, on the model thread.
         self._token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
@@ -680,3 +681,9 @@ def _leading(blocks: Sequence[torch.Tensor], tokens: int) -> list[torch.Tensor]:
         kept.append(block if block.shape[3] <= tokens else block[:, :, :, :tokens])  # [layers, 2, heads, n, dim]
         tokens -= block.shape[3]
     return kept
+
+
+def _reasoning_tags(chat_template: str | None) -> tuple[str, str] | None:
+    """Return the tags a model thinks between when its chat template knows them (Qwen3's, DeepSeek-R1's), else None."""
+    tags = ("<think>", "</think>")
+    return tags if all(tag in (chat_template or "") for tag in tags) else None

@@ -57,13 +57,14 @@ class TextStream:
             cut, stop = min(found)  # the first to occur
             self._held = ""
             return TextDelta(text[:cut], stop)
-        keep = 0 if final else _stop_prefix_length(text, self._stop)
+        keep = 0 if final else held_length(text, self._stop)
         self._held = text[len(text) - keep :] if keep else ""
         return TextDelta(text[: len(text) - keep], None)
 
 
-def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
-    """Return the length of the longest end of `text` that some stop string starts with."""
+def held_length(text: str, stop: Sequence[str]) -> int:
+    """Return the length of the longest end of `text` that some of `stop` starts with: what to hold back, as it may
+    become one of them."""
     if not text:
         return 0
     last = text[-1]

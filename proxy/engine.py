@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from prefixgate.proxy.canonicalize import (
 from prefixgate.proxy.explain import Explanation, explain_prompt
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
 from prefixgate.proxy.prompt_size import check_prompt_size
+from prefixgate.proxy.reasoning import ReasoningStream
 from prefixgate.proxy.statistics import EngineStats
 from prefixgate.proxy.tool_use import ToolCallStream, answer_grammar
 from prefixgate.store import (
@@ -265,8 +266,8 @@ class Engine:
             grammar=grammar,
             skip_special_tokens=request.params.skip_special_tokens and not tool_format.special_markers,
         )
-        calls = ToolCallStream(tool_format) if request.tools and request.tool_choice != "none" else None
         prepared = await self.prepare(request)
+        readers = self._readers(request, prepared, grammar)
         # The context check first, so nothing is done for a request that cannot run; then the cached prefix is found,
         # its shared part read in place where the store's top tier holds it (lent for this request when new), and
         # the request admitted for the rest of its KV memory, into which the rest of the cached prefix is fetched.
@@ -301,7 +302,9 @@ class Engine:
             raise
         try:
             # The blocks are the request's cache now: keep only where they came from.
-            generation = Generation(self, request_id, prepared, replace(hit, blocks=()), stream, owned, started, calls)
+            generation = Generation(
+                self, request_id, prepared, replace(hit, blocks=()), stream, owned, started, readers
+            )
             await generation.start()
         except BaseException as error:
             self._fail(owned, error)
@@ -438,6 +441,22 @@ class Engine:
         return explain_prompt(self.store, self.backend, prepared, original, canonical, self._patterns, layout)
 
     # -- the cache ----------------------------------------------------------------------------------------------
+
+    def _readers(
+        self, request: PromptRequest, prepared: PreparedPrompt, grammar: str | None
+    ) -> list[Callable[[TokenChunk], TokenChunk]]:
+        """Return what splits a local model's answer as it streams: a reasoning model's chat answer into reasoning
+        and content (not one held to a grammar: that is content from its first token), then its content into text
+        and tool calls when it has tools to call."""
+        readers: list[Callable[[TokenChunk], TokenChunk]] = []
+        tags = self.backend.reasoning_tags
+        if tags is not None and request.messages is not None and grammar is None:
+            # Some templates open the reasoning in the prompt (DeepSeek-R1's), others leave it to the model (Qwen3's).
+            opened = self.backend.decode(prepared.token_ids[-32:]).rstrip().endswith(tags[0])
+            readers.append(ReasoningStream(tags, opened=opened).chunk)
+        if request.tools and request.tool_choice != "none":
+            readers.append(ToolCallStream(self.backend.tool_format).chunk)
+        return readers
 
     async def _claim(self, prepared: PreparedPrompt) -> tuple[HeldRun, list[BlockKey]]:
         """Find the cached prefix held here, after waiting for blocks another request is computing; claim the rest.
@@ -585,7 +604,7 @@ class Generation:
         stream: AsyncIterator[TokenChunk],
         owned: list[BlockKey],
         started: float,
-        calls: ToolCallStream | None = None,
+        readers: Sequence[Callable[[TokenChunk], TokenChunk]] = (),
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -601,7 +620,7 @@ class Generation:
         self._owned = owned
         self._started = started
         self._first: TokenChunk | None = None
-        self._calls = calls  # the answer's tool calls, parsed as it streams; None when it has no tools to call
+        self._readers = readers  # what splits the answer's text as it streams: its reasoning, then its tool calls
         self._closed = False
 
     @property
@@ -646,8 +665,8 @@ class Generation:
         else:
             chunk = await anext(self._stream)
         self.completion_tokens += 1
-        if self._calls is not None:
-            chunk = self._calls.chunk(chunk)
+        for read in self._readers:
+            chunk = read(chunk)
         self.finish_reason = chunk.finish_reason
         return chunk
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from prefixgate.backends.backend import ToolCallDelta
+from prefixgate.backends.text_stream import held_length
 from prefixgate.backends.tool_calls.call_scanner import CallPath, CallScanner
 
 
@@ -91,7 +92,7 @@ class ToolCallParser:
             # The end marker cannot begin in what the scanner has read: it was held back while it might.
             at = self._held.find(end, self._scanned) if end is not None else -1
             if at < 0:
-                keep = _marker_prefix(self._held, end) if end is not None else 0
+                keep = held_length(self._held, (end,)) if end is not None else 0
                 self._scan(len(self._held) - keep, calls)  # up to what may begin the end marker
                 return False
             self._end_call(at, len(end or ""), out, calls)
@@ -108,7 +109,7 @@ class ToolCallParser:
             self._held = self._held[at + len(start) :]
             self._begin_call()
             return True
-        keep = _marker_prefix(self._held, start)
+        keep = held_length(self._held, (start,))
         out.append(self._held[: len(self._held) - keep])
         self._held = self._held[len(self._held) - keep :]
         return False
@@ -174,11 +175,3 @@ class ToolCallParser:
         markers = self._markers
         opened = body if markers.start_in_body else markers.start + body
         return self._lead + opened + ((markers.end or "") if closed else "")
-
-
-def _marker_prefix(text: str, marker: str) -> int:
-    """Return the length of the longest end of `text` that begins `marker` (held back: it may become one)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from prefixgate.backends.text_stream import TextStream, _stop_prefix_length
+from prefixgate.backends.text_stream import TextStream, held_length
 
 
 def stream_of(
@@ -73,4 +73,4 @@ def longest_stop_prefix_by_every_length(text: str, stop: tuple[str, ...]) -> int
 
 @given(st.text(alphabet="ab\n", max_size=40), st.lists(st.text(alphabet="ab\n", max_size=12), max_size=4))
 def test_the_held_back_end_is_the_longest_start_of_a_stop_string(text: str, stop: list[str]) -> None:
-    assert _stop_prefix_length(text, tuple(stop)) == longest_stop_prefix_by_every_length(text, tuple(stop))
+    assert held_length(text, tuple(stop)) == longest_stop_prefix_by_every_length(text, tuple(stop))

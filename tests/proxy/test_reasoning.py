@@ -1,0 +1,109 @@
+"""A reasoning model's answer split into reasoning and content: recorded answers cut at every point, reasoning opened
+by the prompt or by the answer, cut off by the answer's end, answers that do not reason left as they are; and on the
+tiny model with a reasoning template, the engine's chat answers against the text the model wrote."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefixgate.backends import HFBackend, SamplingParams, TokenChunk
+from prefixgate.proxy.answer import assemble
+from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.reasoning import ReasoningStream
+from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
+from tests.backends.tiny_models import make_llama, make_tokenizer
+
+TAGS = ("<think>", "</think>")
+# (the prompt opens the reasoning, the answer, its reasoning, its content)
+RECORDED = [
+    (False, "<think>\nThe user asks for a capital.\n</think>\n\nParis.", "The user asks for a capital.\n", "Paris."),
+    (False, "  <think>Short.</think>Paris.", "Short.", "Paris."),
+    (True, "\nThe user asks.\n</think>\n\nParis.", "The user asks.\n", "Paris."),
+    (True, "Cut off while thinking about </thi", "Cut off while thinking about </thi", ""),
+    (False, "Paris. A <think> tag later is text.", "", "Paris. A <think> tag later is text."),
+    (False, "  Paris, with the white space it began with.", "", "  Paris, with the white space it began with."),
+    (False, "<thin", "", "<thin"),
+    (False, "<think></think>", "", ""),
+]
+
+
+def read(answer: list[str], *, opened: bool) -> tuple[str, str]:
+    """Return the reasoning and content of an answer streamed in pieces, the last piece ending it."""
+    stream = ReasoningStream(TAGS, opened=opened)
+    chunks = [
+        stream.chunk(TokenChunk(0, piece, "stop" if last else None))
+        for last, piece in ((at == len(answer) - 1, piece) for at, piece in enumerate(answer))
+    ]
+    return "".join(chunk.reasoning for chunk in chunks), "".join(chunk.text for chunk in chunks)
+
+
+def splits(text: str) -> Iterator[list[str]]:
+    """Yield the text whole, character by character, and cut in two at every point."""
+    yield [text]
+    yield list(text)
+    for at in range(1, len(text)):
+        yield [text[:at], text[at:]]
+
+
+@pytest.mark.parametrize(("opened", "answer", "reasoning", "content"), RECORDED)
+def test_an_answer_splits_into_reasoning_and_content_however_the_stream_cuts_it(
+    opened: bool, answer: str, reasoning: str, content: str
+) -> None:
+    for pieces in splits(answer):
+        assert read(pieces, opened=opened) == (reasoning, content), pieces
+
+
+def test_a_piece_that_may_begin_a_tag_waits_until_it_is_one_or_is_not() -> None:
+    stream = ReasoningStream(TAGS, opened=True)
+    sent = stream.chunk(TokenChunk(0, "Thinking </th", None))
+    assert (sent.reasoning, sent.text) == ("Thinking ", "")
+    sent = stream.chunk(TokenChunk(0, "ose are words", None))
+    assert (sent.reasoning, sent.text) == ("</those are words", "")
+
+
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if opened %}<think>\n{% endif %}{% endif %}"
+    "{# a reasoning model's: its answers think between <think> and </think> #}"
+)
+
+
+def engine_with(opened: bool) -> Engine:
+    template = REASONING_TEMPLATE.replace("{% if opened %}", "{% if true %}" if opened else "{% if false %}")
+    tokenizer = make_tokenizer(template)
+    backend = HFBackend(make_llama(tokenizer), tokenizer, model_id="tiny", block_size=8)
+    g = backend.geometry
+    config = StoreConfig(TierConfig(0), TierConfig(16 << 20), TierConfig(0))
+    return Engine(backend, TieredStore.open(None, BlockLayout(g.block_shape, g.dtype), config))
+
+
+async def chat(engine: Engine, **fields: Any) -> tuple[str, str]:
+    request = PromptRequest(
+        SamplingParams(max_tokens=24, temperature=0.0), messages=[{"role": "user", "content": "Capital?"}], **fields
+    )
+    generation = await engine.generate(request)
+    async with generation:
+        whole = assemble([chunk async for chunk in generation])
+    return whole.reasoning, whole.text
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["the-prompt-opens-it", "the-answer-would-open-it"])
+async def test_a_reasoning_models_chat_answer_is_the_text_it_wrote_split(opened: bool) -> None:
+    engine = engine_with(opened)
+    try:
+        assert engine.backend.reasoning_tags == TAGS
+        engine.backend.reasoning_tags = None  # as a model that does not reason: the text as it was written
+        _, written = await chat(engine)
+        engine.backend.reasoning_tags = TAGS
+        assert written and "<think>" not in written  # a random model opens no tag of its own
+        # Opened by the prompt, all the random model wrote is reasoning; not opened, it is content as written.
+        expected = (written.lstrip(), "") if opened else ("", written)
+        assert await chat(engine) == expected
+        # An answer held to a grammar is content from its first token, even where the prompt opened reasoning.
+        reasoning, content = await chat(engine, response_format={"type": "json_object"})
+        assert reasoning == "" and content.startswith("{")
+    finally:
+        await engine.close()

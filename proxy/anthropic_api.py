@@ -71,8 +71,23 @@ class ToolResultBlock(Strict):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
-_BLOCK_TYPES = ("text", "tool_use", "tool_result")
+class ThinkingBlock(Strict):
+    """The assistant's thinking in an earlier turn, sent back as it came (as Anthropic has tool loops do)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""  # this server signs nothing: it sends "" and checks nothing
+
+
+class RedactedThinkingBlock(Strict):
+    """Thinking another server encrypted: nothing a local model can read, so it is left out of the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class MessageParam(Strict):
@@ -90,10 +105,19 @@ class MessageParam(Strict):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCK_TYPES:
                 raise ValueError(
-                    f"block {index} is of type {kind!r}: this server takes text, tool_use and tool_result content "
-                    "blocks; send the content as text"
+                    f"block {index} is of type {kind!r}: this server takes text, tool_use, tool_result, thinking and "
+                    "redacted_thinking content blocks; send the content as text"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _thinking_is_the_assistants(self) -> MessageParam:
+        if self.role != "assistant" and any(
+            isinstance(block, ThinkingBlock | RedactedThinkingBlock)
+            for block in (self.content if isinstance(self.content, list) else ())
+        ):
+            raise ValueError("a user message carries no thinking blocks; only the assistant's turns do")
+        return self
 
 
 class ToolChoice(Strict):
@@ -174,12 +198,13 @@ class MessagesRequest(Strict):
             )
         return self
 
-    def _blocks(self) -> list[ToolParam | ContentBlock]:
+    def _blocks(self) -> list[ToolParam | TextBlock | ToolUseBlock | ToolResultBlock]:
         """Return every block that may carry a breakpoint, in prompt order: tools, system, messages."""
-        blocks: list[ToolParam | ContentBlock] = list(self.tools or ())
+        blocks: list[ToolParam | TextBlock | ToolUseBlock | ToolResultBlock] = list(self.tools or ())
         blocks += self.system if isinstance(self.system, list) else []
         for message in self.messages:
-            blocks += message.content if isinstance(message.content, list) else []
+            content = message.content if isinstance(message.content, list) else []
+            blocks += [block for block in content if isinstance(block, TextBlock | ToolUseBlock | ToolResultBlock)]
         return blocks
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
@@ -260,6 +285,9 @@ def _translate(message: MessageParam, messages: list[dict[str, Any]]) -> list[Br
         return points
     at = len(messages)
     turn: dict[str, Any] = {"role": message.role, "content": _content(texts) if texts else None}
+    thinking = [block.thinking for block in message.content if isinstance(block, ThinkingBlock)]
+    if thinking:
+        turn["reasoning_content"] = "\n".join(thinking)  # as the OpenAI face takes it: for the chat template
     if calls:
         turn["tool_calls"] = [
             {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}

@@ -177,6 +177,8 @@ def _canonical_message(message: Mapping[str, Any], index: int, rules: CanonicalR
         result["content"] = canonicalize_text(content, rules)
     elif isinstance(content, list):
         result["content"] = _canonical_parts(content, f"messages[{index}].content", rules)
+    if isinstance(result.get("reasoning_content"), str):
+        result["reasoning_content"] = canonicalize_text(result["reasoning_content"], rules)
     tool_calls = result.get("tool_calls")
     if rules.sort_json_keys and isinstance(tool_calls, list):
         for call in tool_calls:

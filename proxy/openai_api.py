@@ -82,6 +82,10 @@ class Message(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An answer's reasoning, sent back with it (vLLM's names; the openai client's dump of an answer carries both). It
+    # goes to the chat template as `reasoning_content`, which reasoning models' templates render.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -98,6 +102,12 @@ class Message(Strict):
             article = "an" if self.role == "assistant" else "a"
             needs = "content or tool_calls" if self.role == "assistant" else "content"
             raise ValueError(f"{article} {self.role} message needs {needs}")
+        if self.role != "assistant" and (self.reasoning_content is not None or self.reasoning is not None):
+            raise ValueError(f"a {self.role} message carries no reasoning; only the assistant's answers do")
+        if self.reasoning_content is None:
+            self.reasoning_content, self.reasoning = self.reasoning, None
+        else:
+            self.reasoning = None  # one text: reasoning_content's
         return self
 
 

@@ -106,7 +106,11 @@ async def test_system_blocks_with_breakpoints_are_taken_and_checked_as_anthropic
         ({"system": [block | {"cache_control": {"type": "ephemeral", "ttl": "2h"}}]}, "ttl"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "text, tool_use and tool_result content blocks",
+            "text, tool_use, tool_result, thinking and redacted_thinking content blocks",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "Hm.", "signature": ""}]}]},
+            "a user message carries no thinking blocks",
         ),
         ({"messages": [{"role": "user", "content": []}]}, "content is an empty list; send at least one content block"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "unknown field"),

@@ -250,6 +250,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "messages.1",
         "an assistant message needs content or tool_calls",
     ),
+    (
+        "a user turn's reasoning",
+        chat(messages=[{"role": "user", "content": "Hi", "reasoning_content": "Hm."}]),
+        400,
+        "messages.0",
+        "a user message carries no reasoning",
+    ),
     ("unknown retention", chat(prompt_cache_retention="1w"), 400, "prompt_cache_retention", "'in_memory' or '24h'"),
     ("seventeen stop strings", chat(stop=[f"stop {i}" for i in range(17)]), 400, "stop", "at most 16 stop strings"),
     ("a stop string of 257 characters", chat(stop=["x" * 257]), 400, "stop", "at most 256 characters"),

@@ -11,7 +11,9 @@ import pytest
 
 from prefixgate.backends import HFBackend, SamplingParams, TokenChunk
 from prefixgate.proxy.answer import assemble
+from prefixgate.proxy.anthropic_api import MessageParam, MessagesRequest
 from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.openai_api import ChatCompletionRequest
 from prefixgate.proxy.reasoning import ReasoningStream
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 from tests.backends.tiny_models import make_llama, make_tokenizer
@@ -71,13 +73,17 @@ REASONING_TEMPLATE = (
 )
 
 
-def engine_with(opened: bool) -> Engine:
-    template = REASONING_TEMPLATE.replace("{% if opened %}", "{% if true %}" if opened else "{% if false %}")
+def engine_on(template: str) -> Engine:
+    """Return an engine on the tiny Llama with this chat template, its store in memory."""
     tokenizer = make_tokenizer(template)
     backend = HFBackend(make_llama(tokenizer), tokenizer, model_id="tiny", block_size=8)
     g = backend.geometry
     config = StoreConfig(TierConfig(0), TierConfig(16 << 20), TierConfig(0))
     return Engine(backend, TieredStore.open(None, BlockLayout(g.block_shape, g.dtype), config))
+
+
+def engine_with(opened: bool) -> Engine:
+    return engine_on(REASONING_TEMPLATE.replace("{% if opened %}", "{% if true %}" if opened else "{% if false %}"))
 
 
 async def chat(engine: Engine, **fields: Any) -> tuple[str, str]:
@@ -105,5 +111,53 @@ async def test_a_reasoning_models_chat_answer_is_the_text_it_wrote_split(opened:
         # An answer held to a grammar is content from its first token, even where the prompt opened reasoning.
         reasoning, content = await chat(engine, response_format={"type": "json_object"})
         assert reasoning == "" and content.startswith("{")
+    finally:
+        await engine.close()
+
+
+RENDERING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_an_answers_reasoning_sent_back_by_either_face_reaches_the_chat_template() -> None:
+    engine = engine_on(RENDERING_TEMPLATE)
+    question = {"role": "user", "content": "Capital?"}
+    # The openai client's dump of an answer carries the reasoning under both names; vLLM's newer name alone counts too.
+    bodies = [
+        {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital.", "reasoning": "The capital."},
+        {"role": "assistant", "content": "Paris.", "reasoning": "The capital."},
+    ]
+    anthropic_turn = MessageParam.model_validate(
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "thinking", "thinking": "The capital.", "signature": ""},
+                {"type": "text", "text": "Paris."},
+            ],
+        }
+    )
+    requests = [
+        ChatCompletionRequest.model_validate({"model": "tiny", "messages": [question, body]}).to_prompt_request("t")
+        for body in bodies
+    ]
+    requests.append(
+        MessagesRequest(
+            model="tiny", max_tokens=8, messages=[MessageParam(**question), anthropic_turn]
+        ).to_prompt_request("t")
+    )
+    try:
+        for request in requests:
+            assert request.messages is not None
+            turn = request.messages[-1]
+            assert turn["reasoning_content"] == "The capital." and "reasoning" not in turn
+            prepared = await engine.prepare(request)
+            assert engine.backend.decode(prepared.token_ids).endswith(
+                "assistant\n<think>\nThe capital.\n</think>\n\nParis.\nassistant\n"  # special tokens left out
+            )
     finally:
         await engine.close()

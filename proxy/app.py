@@ -31,6 +31,7 @@ from prefixgate.errors import (
 )
 from prefixgate.proxy import anthropic_api as anthropic
 from prefixgate.proxy import openai_api as api
+from prefixgate.proxy import responses_api
 from prefixgate.proxy.answer import Answer, assemble
 from prefixgate.proxy.body import OFF_LOOP_BYTES, let_go, off_loop, parsed
 from prefixgate.proxy.choices import AnyEngine, AnyGeneration, Choices
@@ -155,6 +156,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # a model id may hold a slash: "org/name"
@@ -168,6 +170,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
 
 
 # -- handlers -----------------------------------------------------------------------------------------------------
+
+Body = api.ChatCompletionRequest | api.CompletionRequest | anthropic.MessagesRequest | responses_api.ResponsesRequest
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -183,7 +187,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
 ) -> web.StreamResponse:
-    choices = await _start(request, body.model, await _prompt(request, body), chat=chat, n=body.n)
+    param = "messages" if chat else "prompt"
+    choices = await _start(request, body.model, await _prompt(request, body), prompt_param=param, n=body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
@@ -200,9 +205,7 @@ async def _generate(
     return web.json_response(payload, headers=_headers(first))
 
 
-async def _prompt(
-    request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest | anthropic.MessagesRequest
-) -> PromptRequest:
+async def _prompt(request: web.Request, body: Body) -> PromptRequest:
     """Return the engine's request for a body: off the loop for a large one, as the body was parsed (400,000
     messages take a third of a second to translate)."""
     if (request.content_length or 0) <= OFF_LOOP_BYTES:
@@ -210,13 +213,11 @@ async def _prompt(
     return await off_loop(_translated, body, request[TENANT])
 
 
-def _translated(
-    body: api.ChatCompletionRequest | api.CompletionRequest | anthropic.MessagesRequest, tenant: str
-) -> PromptRequest:
+def _translated(body: Body, tenant: str) -> PromptRequest:
     """Return the engine's request for a large body, and let go of the body's own copy of the prompt here, in the
     worker thread: freed on the loop when the request ends, 400,000 messages would hold it 80 ms."""
     prompt = body.to_prompt_request(tenant)
-    for name in ("messages", "tools"):
+    for name in ("messages", "input", "tools"):
         if isinstance(items := getattr(body, name, None), list):
             let_go(items)
     return prompt
@@ -228,13 +229,14 @@ def _let_go_of(prompt: PromptRequest) -> None:
             let_go(items)
 
 
-async def _start(request: web.Request, model: str, prompt: PromptRequest, *, chat: bool, n: int = 1) -> Choices:
-    """Start the request's `n` generations on the engine serving `model`, each up to its first token."""
+async def _start(request: web.Request, model: str, prompt: PromptRequest, *, prompt_param: str, n: int = 1) -> Choices:
+    """Start the request's `n` generations on the engine serving `model`, each up to its first token; an error about
+    the engine's prompt names the field the body sent it in, `prompt_param`."""
     try:
         choices = await Choices.start(_engine_for(request, model), prompt, n)
     except BaseException as error:
-        if isinstance(error, RequestError) and chat and error.param == "prompt":
-            error.param = "messages"  # the engine's prompt is the chat APIs' messages
+        if isinstance(error, RequestError) and error.param == "prompt":
+            error.param = prompt_param  # the engine's prompt is the chat APIs' messages, the Responses API's input
         if (request.content_length or 0) > OFF_LOOP_BYTES:
             # A large prompt is refused (it cannot fit any context): its messages are let go of in the worker thread,
             # not on the loop as the error unwinds (400,000 messages would hold it for tens of milliseconds).
@@ -249,7 +251,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await parsed(await request.read(), anthropic.MessagesRequest)
     if body.max_tokens == 0:
         return await _prewarm(request, body)
-    choices = await _start(request, body.model, await _prompt(request, body), chat=True)
+    choices = await _start(request, body.model, await _prompt(request, body), prompt_param="messages")
     generation = choices.first  # the Messages API answers once
     message_id = anthropic.message_id()
     if body.stream:
@@ -258,6 +260,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with choices:
         answer = assemble([chunk async for chunk in generation])
     payload = anthropic.message(message_id, body.model, answer, generation.finish_reason, generation.usage())
+    return web.json_response(payload, headers=_headers(generation))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: OpenAI's Responses API on the same engine, stateless (see `responses_api`)."""
+    body = await parsed(await request.read(), responses_api.ResponsesRequest)
+    choices = await _start(request, body.model, await _prompt(request, body), prompt_param="input")
+    generation = choices.first  # the Responses API answers once
+    rid, created = responses_api.response_id(), float(int(time.time()))
+    if body.stream:
+        async with choices:
+            return await _stream_response(request, generation, body, rid, created)
+    async with choices:
+        chunks = [chunk async for chunk in generation]
+    items = responses_api.output_items(assemble(chunks))
+    thought = sum(1 for chunk in chunks if chunk.reasoning)
+    usage = generation.usage()
+    payload = responses_api.response(body, rid, created, items, generation.finish_reason, usage, thought)
     return web.json_response(payload, headers=_headers(generation))
 
 
@@ -433,21 +453,15 @@ async def _stream_message(
     await _event(response, "message_start", {"type": "message_start", "message": start})
     await _event(response, "ping", {"type": "ping"})
     blocks = _ContentBlocks(response)
-    stop = None
-    try:
-        async for token in generation:
-            stop = token.stop_sequence
-            await blocks.add(token)
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.info("client left request %s; generation stopped", message_id)  # the caller's aclose() stops the model
-        raise
-    except Exception as error:
-        status, body = _streaming_failure(message_id, error)
-        await _event(response, "error", anthropic.error_body(status, body["error"]["message"]))
-        await response.write_eof()
+
+    async def fail(status: int, message: str) -> None:
+        await _event(response, "error", anthropic.error_body(status, message))
+
+    if not await _relay(response, generation, message_id, blocks.add, fail):
         return response
     await blocks.close()
     await generation.aclose()  # usage is final
+    stop = blocks.stop
     reason = anthropic.stop_reason(generation.finish_reason, stop)
     usage = anthropic.usage_body(generation.usage())
     end: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop}}
@@ -455,6 +469,29 @@ async def _stream_message(
     await _event(response, "message_stop", {"type": "message_stop"})
     await response.write_eof()
     return response
+
+
+async def _relay(
+    response: web.StreamResponse,
+    generation: AnyGeneration,
+    rid: str,
+    send: Callable[[TokenChunk], Awaitable[None]],
+    fail: Callable[[int, str], Awaitable[None]],
+) -> bool:
+    """Send each of the generation's chunks with `send`; return whether it ended well. One that failed has its error
+    sent with `fail` (its status and message) and the stream ended; a client that left stops the request."""
+    try:
+        async for token in generation:
+            await send(token)
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client left request %s; generation stopped", rid)  # the caller's aclose() stops the model
+        raise
+    except Exception as error:
+        status, body = _streaming_failure(rid, error)
+        await fail(status, body["error"]["message"])
+        await response.write_eof()
+        return False
+    return True
 
 
 class _ContentBlocks:
@@ -465,9 +502,11 @@ class _ContentBlocks:
         self._response = response
         self._index = -1
         self._open: str | int | None = None  # "thinking", "text", or the index of the tool call being streamed
+        self.stop: str | None = None  # the stop string that ended the answer, once one has
 
     async def add(self, token: TokenChunk) -> None:
         """Send what one of the engine's chunks carries."""
+        self.stop = token.stop_sequence
         if token.reasoning:
             await self._delta(
                 "thinking",
@@ -497,6 +536,134 @@ class _ContentBlocks:
         if delta is not None:
             piece = {"type": "content_block_delta", "index": self._index, "delta": delta}
             await _event(self._response, "content_block_delta", piece)
+
+
+async def _stream_response(
+    request: web.Request,
+    generation: AnyGeneration,
+    body: responses_api.ResponsesRequest,
+    rid: str,
+    created: float,
+) -> web.StreamResponse:
+    """Send the generation as the Responses API's stream events, in their order; the caller closes the generation."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(generation)}
+    )
+    await response.prepare(request)
+    items = _OutputItems(response)
+    begun = {"response": responses_api.response(body, rid, created, [], None, None)}
+    await items.event("response.created", begun)
+    await items.event("response.in_progress", begun)
+
+    async def fail(status: int, message: str) -> None:
+        await items.event(
+            "error", {"code": "server_error" if status >= 500 else "invalid_request_error", "message": message}
+        )
+
+    if not await _relay(response, generation, rid, items.add, fail):
+        return response
+    await items.close()
+    await generation.aclose()  # usage is final
+    usage = generation.usage()
+    done = responses_api.response(body, rid, created, items.done, generation.finish_reason, usage, items.thought)
+    await items.event(
+        "response.completed" if done["status"] == "completed" else "response.incomplete", {"response": done}
+    )
+    await response.write_eof()
+    return response
+
+
+class _OutputItems:
+    """The Responses API's output items of a streamed answer, each added as its content begins and done before the
+    next: reasoning, the message's text, and each tool call, its arguments in pieces."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+        self._sequence = 0
+        self.done: list[dict[str, Any]] = []  # the items done, in order
+        self.thought = 0  # the answer's tokens that carried reasoning
+        self._item: dict[str, Any] | None = None  # the item being streamed
+        self._kind: str | int | None = None  # "reasoning", "text", or the index of the tool call being streamed
+        self._text = ""  # what the item has streamed
+
+    async def event(self, kind: str, body: dict[str, Any]) -> None:
+        """Send one event, numbered in the stream."""
+        await _event(self._response, kind, {"type": kind, "sequence_number": self._sequence} | body)
+        self._sequence += 1
+
+    async def add(self, token: TokenChunk) -> None:
+        """Send what one of the engine's chunks carries."""
+        if token.reasoning:
+            self.thought += 1
+            if self._kind != "reasoning":
+                await self._begin("reasoning", responses_api.reasoning_item(responses_api.item_id("rs"), ""))
+            await self._delta("response.reasoning_text.delta", token.reasoning)
+        if token.text:
+            if self._kind != "text":
+                await self._begin("text", responses_api.message_item(responses_api.item_id("msg"), None, "in_progress"))
+            await self._delta("response.output_text.delta", token.text, logprobs=[])
+        for piece in token.tool_calls:
+            if self._kind != piece.index:
+                call = (piece.id or call_id(), piece.name or "", "", "in_progress")
+                await self._begin(piece.index, responses_api.call_item(responses_api.item_id("fc"), *call))
+            if piece.arguments:
+                await self._delta("response.function_call_arguments.delta", piece.arguments)
+
+    async def close(self) -> None:
+        """Finish the item still open; an answer with none sends an empty message, as a whole one has."""
+        if not self.done and self._item is None:
+            await self._begin("text", responses_api.message_item(responses_api.item_id("msg"), None, "in_progress"))
+        await self._finish()
+
+    async def _begin(self, kind: str | int, item: dict[str, Any]) -> None:
+        await self._finish()
+        self._kind, self._item, self._text = kind, item, ""
+        where = self._where()
+        await self.event("response.output_item.added", {"output_index": where["output_index"], "item": item})
+        part = self._part("")
+        if part is not None:
+            await self.event("response.content_part.added", where | {"content_index": 0, "part": part})
+
+    async def _delta(self, kind: str, delta: str, **extra: Any) -> None:
+        self._text += delta
+        index = {} if kind == "response.function_call_arguments.delta" else {"content_index": 0}
+        await self.event(kind, self._where() | index | {"delta": delta} | extra)
+
+    async def _finish(self) -> None:
+        item = self._item
+        if item is None:
+            return
+        where = self._where()
+        if item["type"] == "function_call":
+            item |= {"arguments": self._text, "status": "completed"}
+            done = {"arguments": self._text, "name": item["name"]}
+            await self.event("response.function_call_arguments.done", where | done)
+        else:
+            part = self._part(self._text)
+            assert part is not None
+            kind = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+            text: dict[str, Any] = {"text": self._text} | ({"logprobs": []} if item["type"] == "message" else {})
+            await self.event(kind, where | {"content_index": 0} | text)
+            await self.event("response.content_part.done", where | {"content_index": 0, "part": part})
+            item["content"] = [part]
+            if item["type"] == "message":
+                item["status"] = "completed"
+        await self.event("response.output_item.done", {"output_index": where["output_index"], "item": item})
+        self.done.append(item)
+        self._item, self._kind = None, None
+
+    def _where(self) -> dict[str, Any]:
+        assert self._item is not None
+        return {"item_id": self._item["id"], "output_index": len(self.done)}
+
+    def _part(self, text: str) -> dict[str, Any] | None:
+        """Return the item's content part holding `text`: none for a tool call."""
+        assert self._item is not None
+        if self._item["type"] == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        if self._item["type"] == "message":
+            return responses_api.output_text(text)
+        return None
 
 
 def _streaming_failure(request_id: str, error: Exception) -> tuple[int, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Agents end to end: `prefixgate serve` on the real SmolLM2 (whose chat template renders no tools: the generic
 format), driven by the official `openai` and `anthropic` clients. Forced and named tool calls valid against their
 schemas, whole and streamed (their arguments in pieces), and cut off by max_tokens; JSON answers valid against theirs;
-logprobs that agree with the greedy choices; a tool-result turn served from the cache; the agent loop example."""
+logprobs that agree with the greedy choices; a tool-result turn served from the cache, through the Chat Completions and
+the Responses API; the agent loop example."""
 
 from __future__ import annotations
 
@@ -195,6 +196,23 @@ def test_anthropic_clients_get_a_tool_use_block_whole_and_streamed(server: Serve
     deltas = [event.delta for event in events if event.type == "content_block_delta"]
     assert len([delta for delta in deltas if delta.type == "input_json_delta"]) > 1  # the input streams in pieces
     assert [block.input for block in final.content if block.type == "tool_use"] == [uses[0].input]
+
+
+def test_a_responses_api_tool_loop_sends_its_items_back_and_reads_its_turns_from_the_cache(server: Server) -> None:
+    client = server.client()
+    tools: Any = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    fields: Any = {"model": MODEL, "tools": tools, "max_output_tokens": 64, "temperature": 0}
+    first = client.responses.create(input=QUESTION, tool_choice="required", parallel_tool_calls=False, **fields)
+    [call] = first.output
+    assert first.status == "completed" and call.type == "function_call"
+    jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}
+    items = [*QUESTION, *(item.model_dump(exclude_none=True) for item in first.output), result]
+    second = client.responses.create(input=items, **fields)
+    assert first.usage is not None and second.usage is not None
+    # The whole first turn, the model's call included, is the second's cached prefix (but the template's last tokens).
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens + first.usage.output_tokens - 8, (cached, first.usage)
 
 
 def test_the_agent_loop_example_calls_the_tool_and_serves_the_next_turn_from_the_cache(server: Server) -> None:

@@ -1,7 +1,7 @@
 """What agents send and get passes through a server in front of upstreams, both ways and unchanged: request fields
 (tools, every tool_choice, response_format, logprobs, penalties, vLLM's and SGLang's extensions) reach the upstream,
-and its tool calls, reasoning, logprobs and finish reasons reach the official `openai` and `anthropic` clients, whole
-and streamed. The upstream here is an OpenAI-compatible server that streams chunks in vLLM's shape (its Hermes tool
+and its tool calls, reasoning, logprobs and finish reasons reach the official `openai` (Chat Completions and Responses)
+and `anthropic` clients, whole and streamed. The upstream here is an OpenAI-compatible server that streams chunks in vLLM's shape (its Hermes tool
 parser, its reasoning parser, its logprobs) and keeps every body it gets; and llama.cpp's server, where it is
 installed."""
 
@@ -318,6 +318,32 @@ async def test_anthropic_clients_get_tool_use_blocks_whole_and_streamed(
     assert [block.type for block in streamed.content] == ["thinking", "tool_use"]
     assert streamed.content[1].type == "tool_use" and streamed.content[1].input == {"city": "Paris"}
     assert "input_json" in events  # the arguments came as input_json_delta pieces
+
+
+async def test_responses_api_clients_get_reasoning_and_function_call_items_whole_and_streamed(
+    front: TestClient[Any, Any], upstream: ScriptedUpstream
+) -> None:
+    upstream.chunks = TOOL_CALL
+    client = openai_client(front)
+    tool: Any = {"type": "function", **WEATHER["function"]}  # type: ignore[dict-item]
+    whole = await client.responses.create(model=MODEL, instructions="Be brief.", input=QUESTION, tools=[tool])
+    assert [item.type for item in whole.output] == ["reasoning", "function_call"]
+    reasoning, call = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert reasoning.content[0].text == "The user asks about the weather; call the tool."
+    assert call.type == "function_call" and (call.call_id, call.name) == ("chatcmpl-tool-1", "get_weather")
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert whole.usage is not None and whole.usage.input_tokens_details.cached_tokens == 32
+    # The upstream got the chat completion the request stands for.
+    assert upstream.body["messages"] == [{"role": "system", "content": "Be brief."}, *QUESTION]
+    assert upstream.body["tools"] == [WEATHER]
+
+    async with client.responses.stream(model=MODEL, input=QUESTION, tools=[tool]) as stream:
+        events = [event async for event in stream]
+        streamed = await stream.get_final_response()
+    assert [item.type for item in streamed.output] == ["reasoning", "function_call"]
+    pieces = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert pieces == ['{"city": ', '"Paris"}']  # as the upstream streamed them
 
 
 async def test_anthropic_tools_tool_choice_and_tool_turns_reach_the_upstream_in_openai_shape(

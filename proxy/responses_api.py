@@ -306,11 +306,12 @@ def response(
 
 
 def output_items(answer: Answer) -> list[dict[str, Any]]:
-    """Return an answer's output items: its reasoning, its text as a message, then each tool call."""
+    """Return an answer's output items: its reasoning, its text as a message, then each tool call (as a stream sends
+    them, when its text does not come between its calls)."""
     items: list[dict[str, Any]] = []
     if answer.reasoning:
         items.append(reasoning_item(item_id("rs"), answer.reasoning))
-    if answer.text or not answer.tool_calls:
+    if answer.text or (not items and not answer.tool_calls):  # an answer of nothing is an empty message
         items.append(message_item(item_id("msg"), answer.text, "completed"))
     items += [call_item(item_id("fc"), call.id, call.name, call.arguments, "completed") for call in answer.tool_calls]
     return items

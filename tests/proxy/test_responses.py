@@ -13,7 +13,8 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient
 
-from prefixgate.proxy.responses_api import ResponsesRequest
+from prefixgate.proxy.answer import Answer, ToolCall
+from prefixgate.proxy.responses_api import ResponsesRequest, output_items
 from tests.proxy.conftest import MODEL, SYSTEM, Serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
@@ -142,6 +143,18 @@ def test_a_conversations_items_become_the_chat_messages_they_stand_for() -> None
         "schema": WEATHER,
         "strict": None,
     }
+
+
+def test_an_answers_items_are_its_reasoning_its_text_and_its_calls_and_an_empty_message_only_for_nothing() -> None:
+    call = ToolCall("call_1", "get_weather", '{"city":"Oslo"}')
+
+    def kinds(text: str, reasoning: str, *calls: ToolCall) -> list[str]:
+        return [item["type"] for item in output_items(Answer(text, reasoning, "", calls, (), None))]
+
+    assert kinds("Sunny.", "Look.", call) == ["reasoning", "message", "function_call"]
+    assert kinds("", "Look.", call) == ["reasoning", "function_call"]
+    assert kinds("", "Cut off while thinking") == ["reasoning"]
+    assert kinds("", "") == ["message"]
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
 """What agents send and get passes through a server in front of upstreams, both ways and unchanged: request fields
 (tools, every tool_choice, response_format, logprobs, penalties, vLLM's and SGLang's extensions) reach the upstream,
-and its tool calls, reasoning, logprobs and finish reasons reach the official `openai` (Chat Completions and Responses)
-and `anthropic` clients, whole and streamed. The upstream here is an OpenAI-compatible server that streams chunks in vLLM's shape (its Hermes tool
-parser, its reasoning parser, its logprobs) and keeps every body it gets; and llama.cpp's server, where it is
-installed."""
+and its tool calls, reasoning, logprobs and finish reasons reach the official `openai` (Chat Completions and
+Responses) and `anthropic` clients, whole and streamed. The upstream here is an OpenAI-compatible server that streams
+chunks in vLLM's shape (its Hermes tool parser, its reasoning parser, its logprobs) and keeps every body it gets; and
+llama.cpp's server, where it is installed."""
 
 from __future__ import annotations
 

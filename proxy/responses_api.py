@@ -136,7 +136,6 @@ class TextOptions(Strict):
     """The `text` field: the answer's format."""
 
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(Strict):
@@ -179,8 +178,6 @@ class ResponsesRequest(Strict):
                 "answers as they came back) and leave previous_response_id out",
                 param="previous_response_id",
             )
-        if self.text is not None and self.text.verbosity is not None:
-            raise RequestError("text.verbosity is not taken here; leave it out", param="text.verbosity")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": False}
         if self.tools:
             body["tools"] = [
@@ -194,6 +191,8 @@ class ResponsesRequest(Strict):
         form = self.text.format if self.text is not None else None
         if form is not None and form.type == "json_schema":
             schema = {"name": form.name or "answer", "schema": form.schema_ or {}, "strict": form.strict}
+            if form.description is not None:
+                schema["description"] = form.description
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif form is not None:
             body["response_format"] = {"type": form.type}

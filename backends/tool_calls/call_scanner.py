@@ -96,13 +96,15 @@ class CallScanner:
         level = self._levels[-1] if self._levels else None
         if level is None or not level.is_object:
             return
+        if level.key is not None and (level.call is None or level.key != "name"):
+            return  # only keys and calls' names are decoded: an argument's text may be long
         try:
             value = json.loads(f'"{raw}"')
         except ValueError:
             value = None
         if level.key is None:
             level.key = value if isinstance(value, str) else ""
-        elif level.call is not None and level.key == "name" and isinstance(value, str) and value:
+        elif isinstance(value, str) and value:
             level.name = value
 
     def _open(self, is_object: bool) -> None:

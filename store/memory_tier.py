@@ -251,8 +251,16 @@ class MemoryTier(Tier):
         )
 
     def close(self) -> None:
+        """Let go of the pool and every block in it: a closed tier holds no memory, whoever still references it (a
+        closed server's app stays referenced from aiohttp's cache of middleware chains, say)."""
         if self._unpin is not None:
             self._unpin()
+        layers, two, kv_heads, _, head_dim = self._pool.shape
+        self._pool = self._pool.new_empty((layers, two, kv_heads, 0, head_dim))
+        self._slots = Held(lambda slot: len(slot.block.tokens) == self._block_size)
+        self._holders.clear()
+        self._readers.clear()
+        self._free.clear()
 
     def _verified(self, key: BlockKey, tokens: Sequence[int]) -> _Slot | None:
         """Return the block's slot, counting a use, if it holds `tokens`; a block that does not is removed."""

@@ -27,8 +27,9 @@ import aiohttp
 from aiohttp import web
 
 from prefixgate.backends import SamplingParams
-from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app
+from prefixgate.proxy.app import SERVE_OPTIONS, create_app
 from prefixgate.proxy.engine import Engine, PromptRequest
+from prefixgate.proxy.serving import ENGINE
 from prefixgate.proxy.settings import load_settings
 
 MODEL = "smollm2-135m"

@@ -134,7 +134,7 @@ class _JSONFormatter(logging.Formatter):
 
 def _banner(app: web.Application, settings: Settings) -> str:
     """Return what the server says when it starts: the model and URL, the store and its tiers, the dashboard."""
-    from prefixgate.proxy.app import ENGINE
+    from prefixgate.proxy.serving import ENGINE
     from prefixgate.proxy.upstream_engine import UpstreamEngine
 
     url = f"http://{settings.host}:{settings.port}"
@@ -168,7 +168,7 @@ async def _freeze_heap(app: web.Application) -> None:
     them; garbage among them is collected first. A large request body's parse later freezes every object alive again
     (see `prefixgate.proxy.body`)."""
     from prefixgate.backends.hf_backend import HFBackend
-    from prefixgate.proxy.app import ENGINE
+    from prefixgate.proxy.serving import ENGINE
     from prefixgate.proxy.upstream_engine import UpstreamEngine
 
     _collect_and_freeze()
@@ -190,7 +190,7 @@ def _collect_and_freeze() -> None:
 
 
 def _still_compiling(app: web.Application) -> bool:
-    from prefixgate.proxy.app import ENGINE
+    from prefixgate.proxy.serving import ENGINE
     from prefixgate.proxy.upstream_engine import UpstreamEngine
 
     engine = app.get(ENGINE)

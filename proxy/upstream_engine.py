@@ -26,7 +26,6 @@ from prefixgate.backends import TokenChunk
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, Route, Upstream, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
 from prefixgate.errors import ConfigError
-from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
     CanonicalRules,
@@ -37,6 +36,7 @@ from prefixgate.proxy.canonicalize import (
 from prefixgate.proxy.engine import PromptRequest, Usage
 from prefixgate.proxy.explain import RouteExplanation, explain_route
 from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern, MovedValue, lay_out
+from prefixgate.proxy.openai import api
 from prefixgate.proxy.statistics import CACHED_BY_UPSTREAMS, EngineStats
 
 log = logging.getLogger(__name__)

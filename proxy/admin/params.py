@@ -10,8 +10,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixgate.errors import RequestError
-from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.body import parsed, parsed_object
+from prefixgate.proxy.openai import api
 from prefixgate.store import BlockKey
 
 MAX_LIMIT = 1000

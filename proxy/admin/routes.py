@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from prefixgate.errors import RequestError
-from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.admin import params
 from prefixgate.proxy.admin.cache_report import (
     cache_report,
@@ -37,9 +36,10 @@ from prefixgate.proxy.admin.params import (
     TextExplainRequest,
     TextWarmRequest,
 )
-from prefixgate.proxy.app import ENGINE, SETTINGS, Handler, ModelNotServed, local_engine, upstream_state
 from prefixgate.proxy.engine import Engine, PromptRequest
 from prefixgate.proxy.explain import explanation_body, route_explanation_body
+from prefixgate.proxy.openai import api
+from prefixgate.proxy.serving import ENGINE, SETTINGS, Handler, ModelNotServed, local_engine, upstream_state
 from prefixgate.proxy.settings import ModelPrices
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import Block, BlockKey, EntryInfo, TieredStore, TierStats

@@ -18,7 +18,7 @@ from typing_extensions import TypedDict  # pydantic reads its annotations on Pyt
 from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
 from prefixgate.proxy.engine import PromptRequest
-from prefixgate.proxy.openai_api import DEFAULT_MAX_TOKENS, Message
+from prefixgate.proxy.openai.api import DEFAULT_MAX_TOKENS, Message
 from prefixgate.proxy.python.reply import AsyncReplyStream, Reply, ReplyStream
 
 if TYPE_CHECKING:

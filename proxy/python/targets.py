@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from prefixgate.errors import ContextLengthError, PrefixgateError, RequestError
-from prefixgate.proxy import openai_api as api
 from prefixgate.proxy.engine import Engine, PromptRequest, Usage
+from prefixgate.proxy.openai import api
 from prefixgate.proxy.python.reply import Pieces, Reply, ReplyUsage
 
 

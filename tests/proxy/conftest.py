@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate.backends import HFBackend, StepRecord
-from prefixgate.proxy.app import ENGINE, SERVE_OPTIONS, create_app, store_config
+from prefixgate.proxy.app import SERVE_OPTIONS, create_app, store_config
 from prefixgate.proxy.engine import Engine
+from prefixgate.proxy.serving import ENGINE
 from prefixgate.proxy.settings import Settings, load_settings
 from prefixgate.store import BlockLayout, TieredStore
 from tests.backends.tiny_models import make_llama, make_tokenizer

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from prefixgate.errors import RequestError
 from prefixgate.proxy import body as body_module
 from prefixgate.proxy.body import json_object, parse_json
-from prefixgate.proxy.openai_api import ChatCompletionRequest
+from prefixgate.proxy.openai.api import ChatCompletionRequest
 from tests.proxy.conftest import HANG_GUARD_SECONDS, MODEL, Serve
 
 json_values = st.recursive(

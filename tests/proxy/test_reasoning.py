@@ -11,9 +11,9 @@ import pytest
 
 from prefixgate.backends import HFBackend, SamplingParams, TokenChunk
 from prefixgate.proxy.answer import assemble
-from prefixgate.proxy.anthropic_api import MessageParam, MessagesRequest
+from prefixgate.proxy.anthropic.api import MessageParam, MessagesRequest
 from prefixgate.proxy.engine import Engine, PromptRequest
-from prefixgate.proxy.openai_api import ChatCompletionRequest
+from prefixgate.proxy.openai.api import ChatCompletionRequest
 from prefixgate.proxy.reasoning import ReasoningStream
 from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 from tests.backends.tiny_models import make_llama, make_tokenizer

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from prefixgate.errors import ConfigError, StoreError
-from prefixgate.proxy.app import SETTINGS
 from prefixgate.proxy.cli import _banner
+from prefixgate.proxy.serving import SETTINGS
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store.redis_tier import KEY_PREFIX
 from tests.proxy.conftest import Serve, chat_body, engine_of, sample, scrape

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from prefixgate.proxy.answer import Answer, ToolCall
-from prefixgate.proxy.responses_api import ResponsesRequest, output_items
+from prefixgate.proxy.openai.responses import ResponsesRequest, output_items
 from tests.proxy.conftest import MODEL, SYSTEM, Serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}

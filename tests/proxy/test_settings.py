@@ -23,8 +23,8 @@ from prefixgate import __version__
 from prefixgate.backends import model_runner
 from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.app import ENGINE, SETTINGS
 from prefixgate.proxy.cli import _banner, _freeze_heap, _JSONFormatter, main
+from prefixgate.proxy.serving import ENGINE, SETTINGS
 from prefixgate.proxy.settings import load_settings
 from tests.proxy.conftest import HANG_GUARD_SECONDS, MODEL, Serve, tiny_engine
 

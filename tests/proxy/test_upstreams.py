@@ -17,7 +17,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.app import ENGINE, create_app
+from prefixgate.proxy.app import create_app
+from prefixgate.proxy.serving import ENGINE
 from prefixgate.proxy.settings import load_settings
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 from tests.proxy.conftest import (

@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from prefixgate.errors import ConfigError
-from prefixgate.proxy.openai_api import ChatCompletionRequest
+from prefixgate.proxy.openai.api import ChatCompletionRequest
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import BlockKey
 from tests.proxy.conftest import BLOCK_SIZE, MODEL, SYSTEM, Serve, chat_body, engine_of

@@ -13,7 +13,7 @@ from prefixgate.backends import SamplingParams
 from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
-from prefixgate.proxy.openai_api import MAX_STOP_CHARACTERS, MAX_STOP_STRINGS, Strict
+from prefixgate.proxy.openai.api import MAX_STOP_CHARACTERS, MAX_STOP_STRINGS, Strict
 
 MAX_BREAKPOINTS = 4  # cache_control breakpoints per request, as Anthropic allows
 # The error type Anthropic names for each status; any other 4xx is an invalid request, any other 5xx an API error.

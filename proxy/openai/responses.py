@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import PromptRequest, Usage
-from prefixgate.proxy.openai_api import ChatCompletionRequest, Strict
+from prefixgate.proxy.openai.api import ChatCompletionRequest, Strict
 
 
 class _Item(Strict):

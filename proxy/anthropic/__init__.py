@@ -1,0 +1,1 @@
+"""The Anthropic face: the Messages API (`api` its shapes, `routes` its handlers)."""

@@ -1,0 +1,121 @@
+"""The OpenAI routes `/v1/chat/completions` and `/v1/completions`: a body parsed, its choices generated on the engine,
+answered whole or streamed as OpenAI's chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from prefixgate.backends import TokenChunk
+from prefixgate.proxy.answer import assemble
+from prefixgate.proxy.body import parsed
+from prefixgate.proxy.choices import Choices
+from prefixgate.proxy.openai import api
+from prefixgate.proxy.serving import (
+    answer_headers,
+    open_stream,
+    prompt_request,
+    send_data,
+    send_event,
+    start,
+    streaming_failure,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _generate(request, await parsed(await request.read(), api.ChatCompletionRequest), chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _generate(request, await parsed(await request.read(), api.CompletionRequest), chat=False)
+
+
+async def _generate(
+    request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
+) -> web.StreamResponse:
+    param = "messages" if chat else "prompt"
+    choices = await start(request, body.model, await prompt_request(request, body), prompt_param=param, n=body.n)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
+        async with choices:
+            return await _stream(request, choices, body.model, include_usage, chat=chat)
+    chunks: list[list[TokenChunk]] = [[] for _ in choices.generations]
+    async with choices:
+        async for index, chunk in choices.chunks():
+            chunks[index].append(chunk)
+    render = api.chat_completion if chat else api.text_completion
+    answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
+    first = choices.first
+    payload = render(first.request_id, body.model, answers, choices.usage(), first.system_fingerprint)
+    return web.json_response(payload, headers=answer_headers(first))
+
+
+async def _stream(
+    request: web.Request, choices: Choices, model: str, include_usage: bool, *, chat: bool
+) -> web.StreamResponse:
+    """Send the choices as server-sent events, exactly as OpenAI does, each chunk one choice's (by its index) as it
+    comes; the caller closes the choices."""
+    response = await open_stream(request, choices.first)
+    created = int(time.time())
+    first = choices.first
+    rid = first.request_id
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    # each choice's characters of the tokens with log probabilities sent so far: a text chunk's text_offset
+    offsets = [0] * len(choices.generations)
+
+    def chunk(
+        index: int,
+        token: TokenChunk | None,
+        finish_reason: str | None = None,
+        stop: str | None = None,
+        *,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        logprobs = token.logprobs if token is not None else ()
+        if not chat:
+            text = token.text if token is not None else ""
+            body = api.text_chunk(rid, model, created, text, finish_reason, stop, logprobs, offsets[index], index)
+            offsets[index] += sum(len(entry.token) for entry in logprobs)
+        else:
+            delta = api.chat_delta(token) if token is not None else {}
+            delta = {"role": "assistant", "content": ""} if role else delta
+            body = api.chat_chunk(rid, model, created, delta, finish_reason, stop, logprobs, index)
+            if include_usage:
+                body["usage"] = None
+        fingerprint = first.system_fingerprint  # an upstream's, once it has sent one
+        return body | ({"system_fingerprint": fingerprint} if fingerprint is not None else {})
+
+    try:
+        if chat:
+            for index in range(len(choices.generations)):
+                await send_data(response, chunk(index, None, role=True))
+        async for index, token in choices.chunks():
+            if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
+                await send_data(response, chunk(index, token))
+            if token.finish_reason is not None:  # the choice's last chunk
+                await send_data(response, chunk(index, None, token.finish_reason, token.stop_sequence))
+        for index, generation in enumerate(choices.generations):
+            if generation.finish_reason is None:  # an upstream's answer that ended without one: its last chunk still
+                await send_data(response, chunk(index, None))
+        if include_usage:
+            await send_data(response, api.usage_chunk(rid, model, created, kind, choices.usage()))
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client left request %s; generation stopped", rid)  # the caller's aclose() stops the model
+        raise
+    except Exception as error:
+        _, body = streaming_failure(rid, error)
+        await send_event(response, "error", body)
+    await choices.aclose()  # usage and timing are final before the stream's end
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

@@ -518,11 +518,17 @@ def text_chunk(
     }
 
 
-def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
     """Return the chat API's logprobs object, or None when there are none."""
     if not logprobs:
         return None
-    content = [
+    return {"content": logprob_entries(logprobs), "refusal": None}
+
+
+def logprob_entries(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """Return each token's log probability with its top alternatives, as the chat API's `logprobs.content` and the
+    Responses API's `output_text.logprobs` give them."""
+    return [
         {
             "token": entry.token,
             "logprob": entry.logprob,
@@ -533,7 +539,6 @@ def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         }
         for entry in logprobs
     ]
-    return {"content": content, "refusal": None}
 
 
 def usage_chunk(request_id: str, model: str, created: int, kind: str, usage: Usage) -> dict[str, Any]:

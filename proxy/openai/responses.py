@@ -8,14 +8,18 @@ Stateless, as vLLM serves it by default: nothing is stored, so a request carries
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from prefixgate.backends import TokenChunk, TokenLogprob
 from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import PromptRequest, Usage
-from prefixgate.proxy.openai.api import ChatCompletionRequest, Strict
+from prefixgate.proxy.openai.api import ChatCompletionRequest, Strict, logprob_entries
+
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to have the message's tokens' log probabilities
 
 
 class _Item(Strict):
@@ -153,6 +157,7 @@ class ResponsesRequest(Strict):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives to each token, where `include` asks for LOGPROBS
     stream: bool = False
     text: TextOptions | None = None
     store: bool | None = None  # accepted: nothing is stored here either way
@@ -162,9 +167,9 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     truncation: Literal["disabled"] | None = None  # the only kind here: a prompt past the context is a 400
-    # What else to include: an encrypted copy of the reasoning, which a local model's has none of (a server in front of
-    # OpenAI's would); nothing else is taken.
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # What else to include: the message's log probabilities; an encrypted copy of the reasoning, which a local model's
+    # has none of (a server in front of OpenAI's would). Nothing else is taken.
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     cache_salt: str | None = None  # prefixgate's, as on the other routes
     layout: bool | None = None
 
@@ -196,6 +201,8 @@ class ResponsesRequest(Strict):
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif form is not None:
             body["response_format"] = {"type": form.type}
+        if self.include is not None and LOGPROBS in self.include:
+            body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         fields = {
             "parallel_tool_calls": self.parallel_tool_calls,
             "max_completion_tokens": self.max_output_tokens,
@@ -298,20 +305,21 @@ def response(
         "tool_choice": choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "truncation": "disabled",
         "usage": None if usage is None else usage_body(usage, reasoning_tokens),
         "metadata": body.metadata or {},
     }
 
 
-def output_items(answer: Answer) -> list[dict[str, Any]]:
-    """Return an answer's output items: its reasoning, its text as a message, then each tool call (as a stream sends
-    them, when its text does not come between its calls)."""
+def output_items(answer: Answer, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+    """Return an answer's output items: its reasoning, its text as a message (with `logprobs`, its tokens' log
+    probabilities), then each tool call (as a stream sends them, when its text does not come between its calls)."""
     items: list[dict[str, Any]] = []
     if answer.reasoning:
         items.append(reasoning_item(item_id("rs"), answer.reasoning))
     if answer.text or (not items and not answer.tool_calls):  # an answer of nothing is an empty message
-        items.append(message_item(item_id("msg"), answer.text, "completed"))
+        items.append(message_item(item_id("msg"), answer.text, "completed", logprobs))
     items += [call_item(item_id("fc"), call.id, call.name, call.arguments, "completed") for call in answer.tool_calls]
     return items
 
@@ -322,15 +330,21 @@ def reasoning_item(item: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item, "summary": [], "content": content}
 
 
-def message_item(item: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(item: str, text: str | None, status: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
     """Return an assistant message item; `text` None: one just begun, with no content part yet."""
-    content = [] if text is None else [output_text(text)]
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"type": "message", "id": item, "role": "assistant", "status": status, "content": content}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    """Return an output_text content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """Return an output_text content part, with its tokens' log probabilities."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprob_entries(logprobs)}
+
+
+def message_logprobs(chunks: Iterable[TokenChunk]) -> list[TokenLogprob]:
+    """Return the log probabilities of the tokens that went to the message: not those of the chunks that carried
+    reasoning or tool calls (each chunk carries its token's, whatever text it releases)."""
+    return [entry for chunk in chunks if not chunk.reasoning and not chunk.tool_calls for entry in chunk.logprobs]
 
 
 def call_item(item: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from typing import Any
 
 from aiohttp import web
 
-from prefixgate.backends import TokenChunk
+from prefixgate.backends import TokenChunk, TokenLogprob
 from prefixgate.backends.tool_calls import call_id
 from prefixgate.proxy.answer import assemble
 from prefixgate.proxy.body import parsed
 from prefixgate.proxy.choices import AnyGeneration
 from prefixgate.proxy.openai import responses as api
+from prefixgate.proxy.openai.api import logprob_entries
 from prefixgate.proxy.serving import answer_headers, open_stream, prompt_request, relay, send_event, start
 
 
@@ -28,7 +29,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             return await _stream_response(request, generation, body, rid, created)
     async with choices:
         chunks = [chunk async for chunk in generation]
-    items = api.output_items(assemble(chunks))
+    items = api.output_items(assemble(chunks), api.message_logprobs(chunks))
     thought = sum(1 for chunk in chunks if chunk.reasoning)
     usage = generation.usage()
     payload = api.response(body, rid, created, items, generation.finish_reason, usage, thought)
@@ -75,6 +76,8 @@ class _OutputItems:
         self._item: dict[str, Any] | None = None  # the item being streamed
         self._kind: str | int | None = None  # "reasoning", "text", or the index of the tool call being streamed
         self._text = ""  # what the item has streamed
+        self._logprobs: list[TokenLogprob] = []  # the message's tokens' log probabilities, sent and not yet sent
+        self._sent = 0  # how many of them went with a text delta
 
     async def event(self, kind: str, body: dict[str, Any]) -> None:
         """Send one event, numbered in the stream."""
@@ -83,6 +86,8 @@ class _OutputItems:
 
     async def add(self, token: TokenChunk) -> None:
         """Send what one of the engine's chunks carries."""
+        if not token.reasoning and not token.tool_calls:  # the message's token (see `message_logprobs`)
+            self._logprobs += token.logprobs
         if token.reasoning:
             self.thought += 1
             if self._kind != "reasoning":
@@ -91,7 +96,8 @@ class _OutputItems:
         if token.text:
             if self._kind != "text":
                 await self._begin("text", api.message_item(api.item_id("msg"), None, "in_progress"))
-            await self._delta("response.output_text.delta", token.text, logprobs=[])
+            unsent, self._sent = self._logprobs[self._sent :], len(self._logprobs)
+            await self._delta("response.output_text.delta", token.text, logprobs=logprob_entries(unsent))
         for piece in token.tool_calls:
             if self._kind != piece.index:
                 call = (piece.id or call_id(), piece.name or "", "", "in_progress")
@@ -129,15 +135,17 @@ class _OutputItems:
             done = {"arguments": self._text, "name": item["name"]}
             await self.event("response.function_call_arguments.done", where | done)
         else:
-            part = self._part(self._text)
+            part = self._part(self._text, self._logprobs)
             assert part is not None
             kind = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            text: dict[str, Any] = {"text": self._text} | ({"logprobs": []} if item["type"] == "message" else {})
+            message = item["type"] == "message"
+            text: dict[str, Any] = {"text": self._text} | ({"logprobs": part["logprobs"]} if message else {})
             await self.event(kind, where | {"content_index": 0} | text)
             await self.event("response.content_part.done", where | {"content_index": 0, "part": part})
             item["content"] = [part]
-            if item["type"] == "message":
+            if message:
                 item["status"] = "completed"
+                self._logprobs, self._sent = [], 0  # the next message's are its own
         await self.event("response.output_item.done", {"output_index": where["output_index"], "item": item})
         self.done.append(item)
         self._item, self._kind = None, None
@@ -146,11 +154,12 @@ class _OutputItems:
         assert self._item is not None
         return {"item_id": self._item["id"], "output_index": len(self.done)}
 
-    def _part(self, text: str) -> dict[str, Any] | None:
-        """Return the item's content part holding `text`: none for a tool call."""
+    def _part(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any] | None:
+        """Return the item's content part holding `text` (a message's with its tokens' `logprobs`): none for a tool
+        call."""
         assert self._item is not None
         if self._item["type"] == "reasoning":
             return {"type": "reasoning_text", "text": text}
         if self._item["type"] == "message":
-            return api.output_text(text)
+            return api.output_text(text, logprobs or ())
         return None

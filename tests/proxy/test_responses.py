@@ -73,6 +73,45 @@ async def test_a_streamed_response_sends_its_events_in_order_and_ends_as_the_who
     assert last.type == "response.incomplete" and last.response.output[0].content[0].text == cut.output_text  # type: ignore[union-attr]
 
 
+async def test_include_asks_for_the_messages_logprobs_the_chat_api_gives_whole_and_streamed(serve: Serve) -> None:
+    client = client_of(await serve())
+    chat = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+        max_tokens=200,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
+    expected = chat.choices[0].logprobs.content
+    fields: Any = {"model": MODEL, "instructions": SYSTEM, "input": "Hi", "temperature": 0, "max_output_tokens": 200}
+    fields |= {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+    def same(got: Any) -> None:
+        assert [entry.token for entry in got] == [entry.token for entry in expected]
+        assert [entry.logprob for entry in got] == pytest.approx([entry.logprob for entry in expected], abs=1e-4)
+        assert [[top.token for top in entry.top_logprobs] for entry in got] == [
+            [top.token for top in entry.top_logprobs] for entry in expected
+        ]
+
+    whole = await client.responses.create(**fields)
+    assert whole.top_logprobs == 2 and whole.output[0].type == "message"
+    same(whole.output[0].content[0].logprobs)  # type: ignore[union-attr]
+    async with client.responses.stream(**fields) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    assert final.output[0].type == "message"
+    same(final.output[0].content[0].logprobs)  # type: ignore[union-attr]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    same(done.logprobs)  # type: ignore[union-attr]
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    sent = [entry for event in deltas for entry in event.logprobs]  # type: ignore[union-attr]
+    assert len(deltas) > 1 and [entry.token for entry in sent] == [entry.token for entry in expected][: len(sent)]
+    plain = await client.responses.create(**(fields | {"include": None}))
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text  # type: ignore[union-attr]
+
+
 async def test_a_forced_call_comes_as_a_function_call_item_whole_and_streamed(serve: Serve) -> None:
     client = client_of(await serve())
     fields: Any = {"model": MODEL, "input": "Weather?", "tools": TOOLS, "max_output_tokens": 200, "temperature": 0}
@@ -163,10 +202,10 @@ def test_an_answers_items_are_its_reasoning_its_text_and_its_calls_and_an_empty_
         ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'function'"),
         ({"background": True}, "background", "unknown field"),
-        ({"include": ["message.output_text.logprobs"]}, "include.0", "reasoning.encrypted_content"),
+        ({"include": ["file_search_call.results"]}, "include.0", "'message.output_text.logprobs'"),
         ({"input": [{"type": "image", "url": "x"}]}, "input.items.0", "'image' found"),
     ],
-    ids=["a-stored-response", "a-hosted-tool", "background", "logprobs", "an-unknown-item"],
+    ids=["a-stored-response", "a-hosted-tool", "background", "a-hosted-tools-results", "an-unknown-item"],
 )
 async def test_what_a_stateless_local_server_does_not_take_is_a_400_that_says_so(
     serve: Serve, fields: dict[str, Any], param: str | None, words: str

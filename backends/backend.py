@@ -191,6 +191,7 @@ class Backend(Protocol):
     tokenizer_hash: str
     geometry: KVGeometry
     context_length: int
+    vocab_size: int  # token ids run from 0 to vocab_size - 1
     # The most characters a prompt that fits the context can have, whitespace or not, however it is normalized or
     # rendered; None when the tokenizer gives no such bound. Longer text is refused without tokenizing it.
     max_prompt_chars: int | None
@@ -213,8 +214,8 @@ class Backend(Protocol):
         """Tokenize a plain completion prompt; blocking, and refusing text beyond any context as render_chat does."""
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Turn token ids back into text, leaving out special tokens."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Turn token ids back into text, leaving out special tokens unless asked."""
         ...
 
     def start_prefix(self, block_ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:

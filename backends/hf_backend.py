@@ -117,7 +117,7 @@ class HFBackend:
         self._tokenizer = tokenizer
         self._pieces = PieceTokenizer(tokenizer)  # chats, tokenized piece by piece (see token_pieces.py)
         self._runner = ModelRunner(model)
-        self._vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
+        self.vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
         self._eos_ids = _eos_ids(model, tokenizer)
         self.tool_format: ToolFormat = format_for(tokenizer.chat_template)
         self.reasoning_tags = _reasoning_tags(tokenizer.chat_template)
@@ -352,11 +352,11 @@ class HFBackend:
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
         try:
-            outside = [token for token, _ in params.logit_bias if not 0 <= token < self._vocab_size]
+            outside = [token for token, _ in params.logit_bias if not 0 <= token < self.vocab_size]
             if outside:
                 raise RequestError(
-                    f"logit_bias names token {outside[0]}, outside this model's vocabulary of {self._vocab_size} "
-                    f"tokens (ids 0 to {self._vocab_size - 1})",
+                    f"logit_bias names token {outside[0]}, outside this model's vocabulary of {self.vocab_size} "
+                    f"tokens (ids 0 to {self.vocab_size - 1})",
                     param="logit_bias",
                 )
             shared = reservation.offset if reservation is not None else 0
@@ -493,9 +493,9 @@ class HFBackend:
         prompt = [int(t) for t in token_ids]
         if not prompt:
             raise RequestError("the prompt is empty; send at least one token", param="prompt")
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise RequestError(
-                f"token ids must be between 0 and {self._vocab_size - 1} for model {self.model_id!r}",
+                f"token ids must be between 0 and {self.vocab_size - 1} for model {self.model_id!r}",
                 param="prompt",
             )
         check_context(self.context_length, len(prompt), max_tokens)

@@ -23,6 +23,7 @@ from prefixgate.proxy.layout import DEFAULT_PATTERNS, DynamicPattern
 from prefixgate.proxy.middlewares import MIDDLEWARES, send_request_id
 from prefixgate.proxy.openai.responses_routes import responses
 from prefixgate.proxy.openai.routes import chat_completions, completions
+from prefixgate.proxy.openai.tokenize import detokenize, tokenize
 from prefixgate.proxy.serving import ENGINE, METRICS, SETTINGS, engine_for, upstream_state
 from prefixgate.proxy.settings import Settings
 from prefixgate.proxy.statistics import EngineCollector
@@ -134,6 +135,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # a model id may hold a slash: "org/name"
+    app.router.add_post("/tokenize", tokenize)  # vLLM's, beside the OpenAI routes
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin(app)

@@ -143,6 +143,9 @@ async def test_anthropic_clients_are_served_from_the_upstreams_too(front: Front,
         await messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi?"}])
     with pytest.raises(anthropic.BadRequestError, match="forwards to upstreams"):
         await messages.create(messages=[{"role": "user", "content": "Hi?"}], **fields | {"max_tokens": 0})
+    for path, body in (("/tokenize", {"prompt": "Hi?"}), ("/detokenize", {"tokens": [1]})):
+        refused = await client.post(path, json=body)
+        assert refused.status == 400 and "forwards to upstreams" in (await refused.json())["error"]["message"]
 
 
 async def test_one_prefix_sticks_to_one_upstream_and_distinct_ones_spread(front: Front, upstreams: list[str]) -> None:

@@ -255,9 +255,10 @@ def test_a_closed_store_lets_go_of_its_memory_tiers_pool(open_store: StoreFactor
     store.close()
     gc.collect()
     assert len(host) == 0 and host.span(0, host.capacity_blocks).numel() == 0
-    assert not any(
-        issubclass(type(held), torch.Tensor) and held.untyped_storage().data_ptr() == pool for held in gc.get_objects()
-    )
+    # Plain CPU tensors only: the pool's views are such, and compiled steps elsewhere in the process leave fake ones,
+    # which have no memory to point at.
+    held = [found for found in gc.get_objects() if type(found) is torch.Tensor and found.device.type == "cpu"]
+    assert not any(tensor.untyped_storage().data_ptr() == pool for tensor in held)
     assert open_store().fetch(NS, PROMPT).tiers == ("disk",) * 5  # what was written through is on disk
 
 

@@ -83,11 +83,12 @@ class Retained:
 
 @dataclass(frozen=True, slots=True)
 class PromptRequest:
-    """One request as the engine takes it, from any face: chat `messages` or a completion `prompt`."""
+    """One request as the engine takes it, from any face: chat `messages` or a completion `prompt` (text, or token
+    ids, which are neither canonicalized nor laid out)."""
 
     params: SamplingParams
     messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
+    prompt: str | tuple[int, ...] | None = None
     tools: list[dict[str, Any]] | None = None
     tenant: str = ""  # who asks; decided by the server, never by the client
     cache_salt: str | None = None  # splits the tenant's cache further
@@ -367,7 +368,8 @@ class Engine:
     def _prepare(self, request: PromptRequest) -> PreparedPrompt:
         backend = self.backend
         # Text far beyond the context is refused by counting characters, before the rules or the tokenizer read it.
-        check_prompt_size(request.messages, request.prompt, backend.context_length, backend.max_prompt_chars)
+        text = None if isinstance(request.prompt, tuple) else request.prompt  # token ids are counted as tokens
+        check_prompt_size(request.messages, text, backend.context_length, backend.max_prompt_chars)
         rendered = self._render(request)
         token_ids = rendered.token_ids
         if not token_ids:
@@ -400,6 +402,11 @@ class Engine:
             # tool_choice none: the model is not to call any, so it is not shown them (as vLLM renders it).
             tools = canonicalize_tools(None if request.tool_choice == "none" else request.tools, self._rules)
             token_ids = self.backend.render_chat(messages, tools=tools)
+        elif isinstance(request.prompt, tuple):
+            token_ids = list(request.prompt)
+            vocabulary = self.backend.vocab_size
+            if not all(0 <= token < vocabulary for token in token_ids):
+                raise RequestError(f"token ids must be between 0 and {vocabulary - 1} for this model", param="prompt")
         else:
             assert request.prompt is not None
             token_ids = self.backend.render_text(canonicalize_text(request.prompt, self._rules))

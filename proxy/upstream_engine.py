@@ -195,6 +195,10 @@ class UpstreamEngine:
             # Serialized in order, tools first, so a prompt that extends another extends its text too.
             text = json.dumps(tools or []) + "".join(json.dumps(message) for message in messages)
             endpoint = "chat/completions"
+        elif isinstance(request.prompt, tuple):  # token ids, as vLLM and SGLang take them
+            body["prompt"] = list(request.prompt)
+            text = " ".join(map(str, request.prompt))  # a prompt that extends another extends its text too
+            endpoint = "completions"
         else:
             assert request.prompt is not None
             text = canonicalize_text(request.prompt, self._rules)

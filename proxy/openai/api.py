@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -331,7 +331,8 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     """A POST /v1/completions body."""
 
-    prompt: str | list[str]
+    # Text, or token ids (as vLLM takes them, from its /tokenize, say); one prompt, alone or in a list of one.
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -339,12 +340,7 @@ class CompletionRequest(_Generation):
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
         """Return the engine's request, refusing what this server cannot honour."""
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise RequestError("send one prompt per request (a string)", param="prompt")
-            prompt = self.prompt[0]
-        else:
-            prompt = self.prompt
+        prompt = self._prompt()
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
         for name, value in (("echo", self.echo), ("suffix", self.suffix)):
@@ -364,6 +360,18 @@ class CompletionRequest(_Generation):
             breakpoints=self.breakpoints(),
             extensions=self.extensions(),
         )
+
+    def _prompt(self) -> str | tuple[int, ...]:
+        """Return the one prompt sent: its text, or its token ids."""
+        sent = self.prompt
+        if isinstance(sent, str):
+            return sent
+        if not sent or isinstance(sent[0], int):
+            return tuple(cast(list[int], sent))  # validated: every element an int
+        if len(sent) != 1:
+            raise RequestError("send one prompt per request (a string, or a list of token ids)", param="prompt")
+        (one,) = sent
+        return one if isinstance(one, str) else tuple(one)
 
 
 def sampling_fields(model: str, params: SamplingParams, *, chat: bool) -> dict[str, Any]:

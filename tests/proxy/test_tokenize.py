@@ -1,11 +1,12 @@
 """vLLM's /tokenize and /detokenize on the local model, through HTTP: a prompt's tokens are the ones the chat and
-completions routes compute (through the template and the layout), they decode back to its text, and bad input is a
-400 that says what to change."""
+completions routes compute (through the template and the layout), they decode back to its text, the completions route
+takes them as its prompt, and bad input is a 400 that says what to change."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import openai
 import pytest
 
 from tests.proxy.conftest import MODEL, SYSTEM, Serve
@@ -44,6 +45,22 @@ async def test_a_completions_prompt_tokenizes_as_its_route_computes_it_and_decod
     assert decoded["prompt"].endswith(prompt)
 
 
+async def test_a_completion_of_token_ids_answers_as_one_of_their_text_and_shares_its_cache(serve: Serve) -> None:
+    server = await serve()
+    completions = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0).completions
+    prompt = SYSTEM + "The capital of France is"
+    tokens = (await (await server.post("/tokenize", json={"prompt": prompt})).json())["tokens"]
+    fields: Any = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    as_text = await completions.create(prompt=prompt, **fields)
+    for sent in (tokens, [tokens]):  # the prompt alone, or in a list of one
+        as_ids = await completions.create(prompt=sent, **fields)
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage is not None and as_text.usage is not None
+        assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(tokens)
+        assert as_ids.usage.prompt_tokens_details is not None
+        assert as_ids.usage.prompt_tokens_details.cached_tokens > 0  # the text's blocks: ids are keyed as they are
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "words"),
     [
@@ -55,8 +72,23 @@ async def test_a_completions_prompt_tokenizes_as_its_route_computes_it_and_decod
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "outside this model's vocabulary"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens", "ids run from 0"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0", "integer"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "between 0 and"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1], [2]]}, 400, "prompt", "one prompt per request"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "must not be empty"),
     ],
-    ids=["both", "neither", "tools-without-messages", "unknown-field", "other-model", "too-large", "negative", "text"],
+    ids=[
+        "both",
+        "neither",
+        "tools-without-messages",
+        "unknown-field",
+        "other-model",
+        "too-large",
+        "negative",
+        "text",
+        "a-prompt-id-too-large",
+        "two-prompts-of-ids",
+        "no-ids",
+    ],
 )
 async def test_bad_tokenize_input_is_an_error_that_says_what_to_change(
     serve: Serve, path: str, body: dict[str, Any], status: int, param: str | None, words: str

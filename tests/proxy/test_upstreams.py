@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -123,6 +124,18 @@ async def test_answers_stream_or_not_with_the_upstreams_usage(front: Front, upst
     report = await (await client.get("/admin/cache", headers=ADMIN)).json()
     assert [state["url"] for state in report["upstreams"]] == upstreams and report["totals"]["requests"] == 4
     assert (await client.get("/admin/cache/entries", headers=ADMIN)).status == 400  # no cache of its own here
+
+
+async def test_a_prompt_of_token_ids_reaches_the_upstream_as_ids(front: Front, upstreams: list[str]) -> None:
+    client = await front(upstreams)
+    tokenize = upstreams[0].removesuffix("/v1") + "/tokenize"  # the upstreams' tokenizer: the front refuses it
+    async with aiohttp.ClientSession() as session, session.post(tokenize, json={"prompt": SYSTEM}) as tokenized:
+        tokens = (await tokenized.json())["tokens"]
+    completions = openai_client(client).completions
+    as_text = await completions.create(model=MODEL, prompt=SYSTEM, max_tokens=4, temperature=0)
+    as_ids = await completions.create(model=MODEL, prompt=tokens, max_tokens=4, temperature=0)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(tokens)
 
 
 async def test_anthropic_clients_are_served_from_the_upstreams_too(front: Front, upstreams: list[str]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -202,8 +202,15 @@ class Backend(Protocol):
     reasoning_tags: tuple[str, str] | None
     steps: str  # how the model's steps run: "eager", "compiling" (eager until done) or "compiled"
 
-    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render chat messages with the model's own template, ending with the assistant's turn.
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Render chat messages with the model's own template, ending with the assistant's turn; `template_kwargs` are
+        the template's other variables (Qwen3's enable_thinking, say).
 
         Blocking (call it in a worker thread). Raises ContextLengthError, without tokenizing, for a rendering longer
         in characters than any prompt that fits the context; a shorter one may still have too many tokens.

@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -49,6 +49,27 @@ from prefixgate.threads import torch_executor, use_threads
 
 _log = logging.getLogger(__name__)
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
+# apply_chat_template's own arguments, which a request's template variables may not set: the server renders with them.
+_RENDERING_ARGUMENTS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
 # Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
 # tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
 # with (which accent stripping drops); normalization form C leaves it as it is.
@@ -257,8 +278,22 @@ class HFBackend:
         """Return the device the model runs on."""
         return self._runner.device
 
-    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render chat messages with the model's own template, ending with the assistant's turn."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Render chat messages with the model's own template, ending with the assistant's turn; `template_kwargs` are
+        the template's other variables."""
+        kwargs = dict(template_kwargs or {})
+        if taken := sorted(kwargs.keys() & _RENDERING_ARGUMENTS):
+            raise RequestError(
+                f"chat_template_kwargs may not set {taken[0]!r}, which the server sets to render the prompt; leave it "
+                "out",
+                param="chat_template_kwargs",
+            )
         if not self._tokenizer.chat_template:
             raise RequestError(
                 f"model {self.model_id!r} has no chat template; send a plain prompt to the completions API instead",
@@ -273,7 +308,7 @@ class HFBackend:
             # Rendered to text first, then tokenized as apply_chat_template(tokenize=True) does, so that text far
             # beyond the context is refused before the tokenizer spends seconds on it.
             text = self._tokenizer.apply_chat_template(
-                messages, tools=tool_list, add_generation_prompt=True, tokenize=False
+                messages, tools=tool_list, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc

@@ -99,6 +99,9 @@ class PromptRequest:
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
     extensions: dict[str, Any] = field(default_factory=dict)  # fields vLLM and SGLang take, passed on to upstreams
+    # What the chat template is given besides the messages and tools (vLLM's chat_template_kwargs: Qwen3's
+    # enable_thinking, say): it renders another prompt, so it is keyed apart by its tokens.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     prompt_tail: bool = False  # file the prompt's partial last block before the first token (for choices to follow)
 
     def __post_init__(self) -> None:
@@ -401,7 +404,7 @@ class Engine:
                 messages, moved = laid_out.messages, laid_out.moved
             # tool_choice none: the model is not to call any, so it is not shown them (as vLLM renders it).
             tools = canonicalize_tools(None if request.tool_choice == "none" else request.tools, self._rules)
-            token_ids = self.backend.render_chat(messages, tools=tools)
+            token_ids = self.backend.render_chat(messages, tools=tools, template_kwargs=request.template_kwargs)
         elif isinstance(request.prompt, tuple):
             token_ids = list(request.prompt)
             vocabulary = self.backend.vocab_size

@@ -186,6 +186,8 @@ class UpstreamEngine:
                 messages, moved = laid_out.messages, laid_out.moved
             tools = canonicalize_tools(request.tools, self._rules)
             body |= {"messages": messages} | ({"tools": tools} if tools else {})
+            if request.template_kwargs:
+                body["chat_template_kwargs"] = request.template_kwargs
             agent = {
                 "tool_choice": request.tool_choice,
                 "parallel_tool_calls": request.parallel_tool_calls,

@@ -149,6 +149,29 @@ class ToolParam(Strict):
     cache_control: CacheControl | None = None
 
 
+class Thinking(Strict):
+    """Extended thinking, on with a budget of tokens or off: it reaches the chat template as `enable_thinking` (Qwen3's
+    switch); a template without one renders as it always does."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024)  # checked as Anthropic checks it; max_tokens bounds the answer
+
+    def template_kwargs(self, max_tokens: int) -> dict[str, Any]:
+        """Return the chat template's variables, refusing a budget Anthropic would refuse."""
+        if self.type == "disabled":
+            if self.budget_tokens is not None:
+                raise RequestError("budget_tokens goes with thinking enabled; leave it out", param="thinking")
+            return {"enable_thinking": False}
+        if self.budget_tokens is None:
+            raise RequestError("thinking enabled needs budget_tokens (at least 1024)", param="thinking.budget_tokens")
+        if max_tokens and self.budget_tokens >= max_tokens:
+            raise RequestError(
+                f"thinking.budget_tokens must be less than max_tokens ({max_tokens}); lower it, or raise max_tokens",
+                param="thinking.budget_tokens",
+            )
+        return {"enable_thinking": True}
+
+
 class Metadata(Strict):
     """Request metadata: an opaque id of the end user."""
 
@@ -170,6 +193,7 @@ class MessagesRequest(Strict):
     metadata: Metadata | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block that can take one
     service_tier: str | None = None  # accepted; there is one tier here
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefixgate's: splits this tenant's cache
@@ -259,6 +283,7 @@ class MessagesRequest(Strict):
             breakpoints=tuple(points),
             tool_choice=choice,
             parallel_tool_calls=parallel,
+            template_kwargs=self.thinking.template_kwargs(self.max_tokens) if self.thinking is not None else {},
         )
 
 

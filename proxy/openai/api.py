@@ -280,7 +280,8 @@ class ChatCompletionRequest(_Generation):
     store: bool | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None  # passed on to upstreams; a local model does not reason
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's: passed on to upstreams
+    # vLLM's and SGLang's: the chat template's other variables (Qwen3's enable_thinking, say)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -302,9 +303,8 @@ class ChatCompletionRequest(_Generation):
             self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         )
         extensions = self.extensions()
-        for name in ("reasoning_effort", "chat_template_kwargs"):
-            if getattr(self, name) is not None:
-                extensions[name] = getattr(self, name)
+        if self.reasoning_effort is not None:
+            extensions["reasoning_effort"] = self.reasoning_effort
         return PromptRequest(
             params=self.sampling_params(
                 self.max_completion_tokens or self.max_tokens,
@@ -318,6 +318,7 @@ class ChatCompletionRequest(_Generation):
             layout=self.layout,
             hint=self.prompt_cache_key or self.user,
             breakpoints=self.breakpoints(),
+            template_kwargs=self.chat_template_kwargs or {},
             tool_choice=tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.response_format.model_dump(exclude_none=True) if self.response_format else None,

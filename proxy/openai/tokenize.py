@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 from pydantic import Field
@@ -24,17 +25,24 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as on the chat route
     layout: bool = True  # as on the other routes
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
         """Return the engine's request, as the completions or chat completions route makes it."""
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send either prompt (a completion's) or messages (a chat's), not both or neither")
-        if self.tools is not None and self.messages is None:
-            raise RequestError("tools go with messages: send messages, or leave tools out", param="tools")
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(self, name) is not None and self.messages is None:
+                raise RequestError(f"{name} go with messages: send messages, or leave {name} out", param=name)
         fields = {"model": self.model or "", "layout": self.layout}
         if self.messages is not None:
-            chat = ChatCompletionRequest.model_validate(fields | {"messages": self.messages, "tools": self.tools})
+            chat_fields = {
+                "messages": self.messages,
+                "tools": self.tools,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+            chat = ChatCompletionRequest.model_validate(fields | chat_fields)
             return chat.to_prompt_request(tenant)
         return CompletionRequest.model_validate(fields | {"prompt": self.prompt}).to_prompt_request(tenant)
 

@@ -113,7 +113,8 @@ async def test_system_blocks_with_breakpoints_are_taken_and_checked_as_anthropic
             "a user message carries no thinking blocks",
         ),
         ({"messages": [{"role": "user", "content": []}]}, "content is an empty list; send at least one content block"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "unknown field"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "must be less than max_tokens"),
+        ({"thinking": {"type": "adaptive"}}, "'enabled' or 'disabled'"),
         ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
         ({"tool_choice": {"type": "tool"}}, 'needs "name", the tool to call'),
     ]

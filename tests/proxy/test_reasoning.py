@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prefixgate.backends import HFBackend, SamplingParams, TokenChunk
+from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import assemble
 from prefixgate.proxy.anthropic.api import MessageParam, MessagesRequest
 from prefixgate.proxy.engine import Engine, PromptRequest
@@ -113,6 +114,71 @@ async def test_a_reasoning_models_chat_answer_is_the_text_it_wrote_split(opened:
         assert reasoning == "" and content.startswith("{")
     finally:
         await engine.close()
+
+
+# Qwen3's switch: thinking opened in the prompt, unless `enable_thinking` is false, which closes it there, empty.
+SWITCHED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+async def test_thinking_is_switched_off_in_the_template_by_either_faces_request() -> None:
+    engine = engine_on(SWITCHED_TEMPLATE)
+    question = {"role": "user", "content": "Capital?"}
+
+    def openai(kwargs: dict[str, Any] | None) -> PromptRequest:
+        body = {
+            "model": "tiny",
+            "messages": [question],
+            "max_tokens": 24,
+            "temperature": 0,
+            "chat_template_kwargs": kwargs,
+        }
+        return ChatCompletionRequest.model_validate(body).to_prompt_request("")
+
+    def anthropic(thinking: dict[str, Any] | None) -> PromptRequest:
+        body = {"model": "tiny", "messages": [question], "max_tokens": 2048, "temperature": 0, "thinking": thinking}
+        return MessagesRequest.model_validate(body).to_prompt_request("")
+
+    async def prompt_of(request: PromptRequest) -> tuple[int, ...]:
+        return (await engine.prepare(request)).token_ids
+
+    try:
+        thinking, off = await prompt_of(openai(None)), await prompt_of(openai({"enable_thinking": False}))
+        assert engine.backend.decode(off).endswith("</think>\n\n") and off != thinking  # closed, empty
+        assert await prompt_of(openai({"enable_thinking": True})) == thinking
+        assert await prompt_of(anthropic({"type": "disabled"})) == off
+        assert await prompt_of(anthropic({"type": "enabled", "budget_tokens": 1024})) == thinking
+        assert await prompt_of(anthropic(None)) == thinking
+        # Opened by the prompt, all the random model writes is reasoning; closed there, it is content.
+        reasoning, content = await chat(engine)
+        assert reasoning and content == ""
+        reasoning, content = await chat(engine, template_kwargs={"enable_thinking": False})
+        assert reasoning == "" and content
+        with pytest.raises(RequestError, match="may not set 'tokenize'") as refused:
+            await prompt_of(openai({"tokenize": True}))
+        assert refused.value.param == "chat_template_kwargs"
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("thinking", "max_tokens", "words"),
+    [
+        ({"type": "enabled"}, 2048, "needs budget_tokens"),
+        ({"type": "enabled", "budget_tokens": 2048}, 2048, "less than max_tokens"),
+        ({"type": "disabled", "budget_tokens": 2048}, 4096, "goes with thinking enabled"),
+    ],
+    ids=["no-budget", "budget-past-max-tokens", "budget-while-disabled"],
+)
+def test_a_thinking_budget_anthropic_would_refuse_is_refused(
+    thinking: dict[str, Any], max_tokens: int, words: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens}
+    with pytest.raises(RequestError, match=words):
+        MessagesRequest.model_validate(body | {"thinking": thinking}).to_prompt_request("")
 
 
 RENDERING_TEMPLATE = (

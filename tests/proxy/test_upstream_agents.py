@@ -402,6 +402,13 @@ async def test_anthropic_tools_tool_choice_and_tool_turns_reach_the_upstream_in_
     ]
     with pytest.raises(anthropic.BadRequestError, match='needs "name", the tool to call'):
         await messages.create(model=MODEL, max_tokens=20, messages=turns, tools=[tool], tool_choice={"type": "tool"})  # type: ignore[arg-type, typeddict-item]
+    # Extended thinking reaches the upstream's chat template as Qwen3's switch, as vLLM takes it.
+    await messages.create(model=MODEL, max_tokens=20, messages=turns, thinking={"type": "disabled"})
+    assert upstream.body["chat_template_kwargs"] == {"enable_thinking": False}
+    await messages.create(
+        model=MODEL, max_tokens=2048, messages=turns, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    assert upstream.body["chat_template_kwargs"] == {"enable_thinking": True}
 
 
 @pytest.mark.skipif(LLAMA_SERVER is None, reason="llama.cpp's llama-server is not on PATH")

@@ -1,5 +1,6 @@
-"""The engines and the prompt rules (canonicalization, layout, explain), the aiohttp app with its OpenAI and Anthropic
-faces, the admin face (`admin/`), the Python face (`python/`), settings and the CLI.
+"""The engines and the prompt rules (canonicalization, layout, explain), the aiohttp app, one package per face (OpenAI's
+APIs in `openai/`, Anthropic's in `anthropic/`, the admin endpoint in `admin/`, the Python face in `python/`), settings
+and the CLI.
 
 Exported here: the Python face, `PromptCache` and what its decorated functions return.
 """

@@ -228,4 +228,6 @@ def _metrics_registry(engine: AnyEngine, settings: Settings) -> CollectorRegistr
 
 def _model_card(engine: AnyEngine) -> dict[str, Any]:
     card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "prefixgate"}
-    return card | ({"context_length": engine.context_length} if engine.context_length is not None else {})
+    if engine.context_length is None:  # upstreams that do not say theirs
+        return card
+    return card | {"context_length": engine.context_length, "max_model_len": engine.context_length}  # vLLM's name

@@ -404,6 +404,7 @@ async def test_models_health_and_metrics(serve: Serve) -> None:
     client = await serve()
     models = await (await client.get("/v1/models")).json()
     assert [model["id"] for model in models["data"]] == [MODEL]
+    assert models["data"][0]["context_length"] == models["data"][0]["max_model_len"] == 1024
     assert await (await client.get(f"/v1/models/{MODEL}")).json() == models["data"][0]
     missing = await client.get("/v1/models/org/other-model")
     assert missing.status == 404

@@ -366,6 +366,11 @@ class HFBackend:
             return stats
         return replace(stats, shared_prefixes=len(self._prefixes), shared_bytes=self._prefixes.nbytes())
 
+    def wait_compiled(self) -> None:
+        """Block until the step's compile has ended, compiled or not (at once where none runs)."""
+        if self.compiling is not None:
+            self.compiling.join()
+
     def problem(self) -> str | None:
         """Say why the backend cannot serve (its model thread stopped on a fault), or None while it can."""
         return self._worker.failure

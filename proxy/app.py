@@ -76,6 +76,9 @@ async def build_engine(settings: Settings) -> AnyEngine:
     )
     geometry = backend.geometry
     try:
+        if settings.compile_wait:
+            # Before the app has started, so before any request is answered: none meets an eager step.
+            await asyncio.to_thread(backend.wait_compiled)
         store = await asyncio.to_thread(
             TieredStore.open,
             settings.store,

@@ -72,6 +72,12 @@ class Settings(BaseSettings):
         "compiles where it was measured to pay: a CPU whose linear weights are prepacked (bfloat16, or float32 on "
         "AMD's x86 CPUs)",
     )
+    compile_wait: bool = Field(
+        False,
+        description="compile the model's step before taking requests, as vLLM compiles at start (minutes from "
+        "nothing, seconds from torch's compile cache): a server busy from its start then runs compiled, where traffic "
+        "can hold the background compile off for long",
+    )
     store: Path | None = Field(
         Path("prefixgate-store"), description="store folder (LMDB tier and secret); empty for memory only"
     )

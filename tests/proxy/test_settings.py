@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -20,9 +21,10 @@ from aiohttp import web
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from prefixgate import __version__
-from prefixgate.backends import model_runner
+from prefixgate.backends import HFBackend, model_runner
 from prefixgate.backends.hf_backend import auto_dtype
 from prefixgate.errors import ConfigError
+from prefixgate.proxy.app import build_engine
 from prefixgate.proxy.cli import _banner, _freeze_heap, _JSONFormatter, main
 from prefixgate.proxy.serving import ENGINE, SETTINGS
 from prefixgate.proxy.settings import load_settings
@@ -207,6 +209,38 @@ class _Node:
 
 def _collector_walks(node: _Node) -> bool:
     return any(item is node for item in gc.get_objects())
+
+
+async def test_compile_wait_gives_the_engine_only_once_its_step_has_compiled(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released, waiting = threading.Event(), threading.Event()
+
+    def held(function: Any, **options: Any) -> Any:
+        assert released.wait(HANG_GUARD_SECONDS), "the test never let the compile end"
+        raise RuntimeError("no compiler here")  # the compile ends: the steps stay eager
+
+    def wait_compiled(backend: HFBackend) -> None:
+        waiting.set()
+        wait_for_the_compile(backend)
+
+    wait_for_the_compile = HFBackend.wait_compiled
+    monkeypatch.setattr(model_runner.torch, "compile", held)
+    monkeypatch.setattr(HFBackend, "wait_compiled", wait_compiled)
+    folder = tmp_path / "tiny"
+    llama.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings = load_settings(model=str(folder), compile="on", compile_wait=True, store=None)
+    building = asyncio.ensure_future(build_engine(settings))
+    waits = asyncio.ensure_future(asyncio.to_thread(waiting.wait, HANG_GUARD_SECONDS))
+    await asyncio.wait({building, waits}, return_when=asyncio.FIRST_COMPLETED)
+    assert not building.done() and await waits  # it waits for the compile, which is held
+    released.set()
+    engine = await building
+    try:
+        assert engine.backend.steps == "eager"  # the compile ended (refused) before the engine came
+    finally:
+        await engine.close()
 
 
 async def test_the_server_leaves_what_loading_and_compiling_made_out_of_full_collections(

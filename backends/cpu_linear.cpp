@@ -725,9 +725,13 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
    (`onednn`). A C++ operator, so that a compiled step (C++ itself on a CPU) calls the kernel directly: SmolLM2's 211
    layers went through a Python one before, and a compiled decode step of one stream took 1.13 to 1.17 times as long
    with it, of 16 streams 1.05 to 1.09 times (README, "Benchmarks"). */
-static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
+static at::Tensor linear_panels(const at::Tensor &x, const at::Tensor &weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
-    const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight);
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                    weight.numel() == (int64_t)sizeof(prefixgate_linear_weight),
+                "linear_panels takes the weight's description, a tensor of its ", sizeof(prefixgate_linear_weight),
+                " bytes");
+    const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight.const_data_ptr());
     const bool bfloat16 = w->pairs != nullptr || w->onednn != nullptr;
     const auto dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
@@ -780,6 +784,6 @@ static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out
 }
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
-    m.def("linear_panels(Tensor x, int weight, int out_features, Tensor? plain=None, Tensor? bias=None) -> Tensor");
+    m.def("linear_panels(Tensor x, Tensor weight, int out_features, Tensor? plain=None, Tensor? bias=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("linear_panels", &linear_panels); }

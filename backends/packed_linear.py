@@ -107,8 +107,12 @@ class PackedLinear(torch.nn.Module):
         # The kernel's layouts (see cpu_linear.cpp and `_describe`), none of them parameters: float panels, code panels
         # with their scales and offsets, or bfloat16 pair panels; and the bias.
         self.layout: dict[str, torch.Tensor] = {}
-        self.described: _Weight | None = None
-        self.address = self.number = 0
+        # The description of those layouts the kernel's operator takes (`_describe`): a buffer, so that a compiled
+        # step takes it as an input, not its address as a constant, which would differ in every process and keep
+        # torch's compile cache from ever serving the step to a later one.
+        self.description: torch.Tensor | None
+        self.register_buffer("description", None, persistent=False)
+        self.number = 0
         self.packed: torch.Tensor | None = None  # oneDNN's opaque layout of the weight, where it has one
         # The weight as torch holds it, for products of more than 64 rows where MKL's are the faster (`mkl_past_64`)
         self.plain: torch.Tensor | None = None
@@ -146,21 +150,21 @@ class PackedLinear(torch.nn.Module):
 
     def _describe(self, bits: int = 0, onednn: int | None = None, **layout: torch.Tensor) -> None:
         """Keep the kernel's layouts of the weight (and the bias) and describe them to it: `layout` by their names in
-        its description of the weight, which points into them; the operator takes the description's address."""
+        its description of the weight, which points into them; the operator takes the description, as bytes."""
         self.layout = dict(layout)
         if self.bias is not None:
             self.layout["bias"] = self.bias.detach().contiguous()
         pointers = {name: part.data_ptr() for name, part in self.layout.items()}
-        self.described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
-        self.address = ctypes.addressof(self.described)
+        described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
+        self.description = torch.frombuffer(bytearray(described), dtype=torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
         out: torch.Tensor
-        if self.described is None:
+        if self.description is None:
             out = torch.ops.prefixgate.packed_linear(x, self.number)
         else:
-            out = torch.ops.prefixgate.linear_panels(x, self.address, self.out_features, self.plain, self.bias)
+            out = torch.ops.prefixgate.linear_panels(x, self.description, self.out_features, self.plain, self.bias)
         return out
 
 
@@ -551,6 +555,10 @@ def _kernel() -> bool:
 
 
 def _linear_panels_shape(
-    x: torch.Tensor, weight: int, out_features: int, plain: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_features: int,
+    plain: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))

@@ -184,7 +184,8 @@ def against(directory: Path, counts: list[int]) -> None:
     sources = packed_linear._float32_sources(model)
     codes = [packed_linear._original_codes(sources.get(id(linear.weight))) for linear in plain]
     packed = [packed_linear._pack(linear, original=found) for linear, found in zip(plain, codes, strict=True)]
-    layers = [layer for layer in packed if layer is not None and layer.described is not None]  # those the kernel takes
+    # those the kernel takes
+    layers = [layer for layer in packed if layer is not None and layer.description is not None]
     print(
         f"SmolLM2-135M-Instruct's {len(layers)} linear layers the kernel takes (of {len(plain)}) in {dtype}, as a "
         f"server packs them, {torch.get_num_threads()} threads: this build against the kernel in {directory}, in turn\n"
@@ -197,7 +198,7 @@ def against(directory: Path, counts: list[int]) -> None:
             # each operator called alike, with nothing between: a module's call costs a few microseconds a layer
             def run(operator: Operator, inputs: dict[int, torch.Tensor] = inputs) -> list[torch.Tensor]:
                 return [
-                    operator(inputs[layer.in_features], layer.address, layer.out_features, layer.plain, layer.bias)
+                    operator(inputs[layer.in_features], layer.description, layer.out_features, layer.plain, layer.bias)
                     for layer in layers
                 ]
 

@@ -7,10 +7,13 @@ The reference is the eager step of the same model. A compiled step runs none of 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -137,6 +140,40 @@ def test_compiled_bfloat16_steps_reach_the_linear_kernel_and_onednn_through_it_a
         # Compiled and eager bfloat16 round what runs between the products differently (here up to 4.5 units in the
         # last place of the largest logits, with oneDNN's products alone as with the kernel's): within 5% of them.
         assert float((logits.float() - expected.float()).abs().max()) <= 0.05 * float(expected.float().abs().max())
+
+
+# Compiles the tiny model's step in bfloat16, its products on the linear kernel's operator, and prints how many of its
+# graphs torch's compile cache served.
+COMPILE_ONCE = """
+import torch
+from torch._dynamo.utils import counters
+from prefixgate.backends import HFBackend
+from tests.backends.tiny_models import as_blocks, make_llama, make_tokenizer
+
+tokenizer = make_tokenizer()
+model = as_blocks(make_llama(tokenizer), torch.bfloat16)
+backend = HFBackend(model, tokenizer, model_id="tiny", block_size=8, compile_steps=True, prepack_weights=True)
+backend.wait_compiled()
+assert backend.steps == "compiled", backend.steps
+print(counters["inductor"]["fxgraph_cache_hit"])
+backend.close()
+"""
+
+
+@pytest.mark.skipif(not packed_linear.bfloat16_products(), reason="the linear kernel takes no bfloat16 here")
+def test_a_later_process_takes_the_compiled_step_from_torchs_compile_cache(tmp_path: Path) -> None:
+    # The linear kernel's operator once took each weight's description by its address: a constant of the graph that
+    # differed in every process, so the cache never served a later one.
+    environment = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    root = Path(__file__).resolve().parent.parent.parent
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", COMPILE_ONCE], env=environment, cwd=root, capture_output=True, text=True, check=False
+        )
+        for _ in range(2)
+    ]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    assert [int(run.stdout.split()[-1]) for run in runs] == [0, 2]  # both graphs from the cache the second time
 
 
 def test_two_models_in_one_process_each_run_graphs_of_their_own(

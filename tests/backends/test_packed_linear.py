@@ -62,7 +62,7 @@ def test_float32_layers_run_on_the_c_kernel_where_it_builds_and_on_onednn_where_
     assert PackedLinear(linear).layout.keys() == {"panels", "bias"}
     monkeypatch.setattr(packed_linear, "_kernel", lambda: False)
     onednn = PackedLinear(linear)
-    assert onednn.described is None and not onednn.layout
+    assert onednn.description is None and not onednn.layout
     x = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(onednn(x), linear(x), atol=LAST_PLACE[torch.float32], rtol=LAST_PLACE[torch.float32])
@@ -77,7 +77,7 @@ def test_the_float32_kernels_operator_refuses_rows_it_cannot_take_and_says_what_
         with pytest.raises(RuntimeError, match="takes float32 rows"):
             layer(torch.randn(3, 64, dtype=torch.bfloat16))
         with pytest.raises(RuntimeError, match="has 48 outputs, not 47"):
-            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), layer.address, 47)
+            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), layer.description, 47)
         assert layer(torch.randn(0, 64)).shape == (0, 48)  # no rows: no product, and an empty output
 
 
@@ -232,7 +232,7 @@ def test_a_bfloat16_layer_gives_up_to_pair_rows_the_kernels_sums_and_more_onednn
     torch.manual_seed(0)
     linear = torch.nn.Linear(*features, bias=bias).to(torch.bfloat16)
     layer = PackedLinear(linear)
-    assert "pairs" in layer.layout and layer.described is not None
+    assert "pairs" in layer.layout and layer.description is not None
     most = packed_linear.pair_rows()  # 8 with AMX, 64 on dot products without it, every count (None) on FMAs
     # the kernel: its own order of sums, whatever rows are beside them; past `most`, oneDNN's product
     kernels, onednns = ((1, 5, 8, most), (most + 1, most + 32)) if most else ((1, 5, 8, 64, 65, 160), ())

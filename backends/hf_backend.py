@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -49,27 +50,12 @@ from prefixgate.threads import torch_executor, use_threads
 
 _log = logging.getLogger(__name__)
 _FIRST_ANSWER_TOKENS = 512  # answer tokens a request's buffer has room for before it first grows
-# apply_chat_template's own arguments, which a request's template variables may not set: the server renders with them.
-_RENDERING_ARGUMENTS = frozenset(
-    (
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "sanitize_control_tokens",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    )
-)
+# apply_chat_template's own arguments (as the installed transformers names them) and the `messages` it renders, which a
+# request's template variables may not set: the server renders with them.
+_RENDERING_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self",
+    "kwargs",
+} | {"messages"}
 # Text a tokenizer must give back exactly for its tokens to bound a prompt's length in characters: runs of spaces,
 # tabs and line breaks (which some normalizers collapse or drop) and stacked combining marks no character composes
 # with (which accent stripping drops); normalization form C leaves it as it is.
@@ -310,7 +296,7 @@ class HFBackend:
             text = self._tokenizer.apply_chat_template(
                 messages, tools=tool_list, add_generation_prompt=True, tokenize=False, **kwargs
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a value the template cannot use (`"a" + 1`)
             raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
         assert isinstance(text, str)
         return self._tokenize(text, add_special_tokens=False)

@@ -257,7 +257,7 @@ class MemoryTier(Tier):
             self._unpin()
         layers, two, kv_heads, _, head_dim = self._pool.shape
         self._pool = self._pool.new_empty((layers, two, kv_heads, 0, head_dim))
-        self._slots = Held(lambda slot: len(slot.block.tokens) == self._block_size)
+        self._slots.clear()
         self._holders.clear()
         self._readers.clear()
         self._free.clear()

@@ -86,8 +86,7 @@ class _OutputItems:
 
     async def add(self, token: TokenChunk) -> None:
         """Send what one of the engine's chunks carries."""
-        if not token.reasoning and not token.tool_calls:  # the message's token (see `message_logprobs`)
-            self._logprobs += token.logprobs
+        self._logprobs += api.message_logprobs([token])
         if token.reasoning:
             self.thought += 1
             if self._kind != "reasoning":

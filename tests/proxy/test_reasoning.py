@@ -164,6 +164,17 @@ async def test_thinking_is_switched_off_in_the_template_by_either_faces_request(
         await engine.close()
 
 
+async def test_a_template_variable_the_template_cannot_use_is_a_400() -> None:
+    engine = engine_on("{% for m in messages %}{{ m['content'] + limit }}{% endfor %}")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"limit": 1}}
+    try:
+        with pytest.raises(RequestError, match="the chat template rejected these messages") as refused:
+            await engine.prepare(ChatCompletionRequest.model_validate(body).to_prompt_request(""))
+        assert refused.value.param == "messages"
+    finally:
+        await engine.close()
+
+
 @pytest.mark.parametrize(
     ("thinking", "max_tokens", "words"),
     [

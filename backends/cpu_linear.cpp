@@ -44,7 +44,9 @@
 #include <string.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #define CHUNK 128       /* rows of a panel (values of k) held while every row of x meets them */
@@ -717,21 +719,48 @@ static void linear(const struct prefixgate_linear_weight *w, const int coded, co
     }
 }
 
-/* y = x W^T (+ bias) for rows x [..., k] of float32, or of bfloat16 for pair panels, W the packed weight whose
-   description lies at address `weight` (a `struct prefixgate_linear_weight` its layer keeps alive, see
-   packed_linear.py): the layer's own operator, given the address its layer holds, and never any other number. With
-   `plain` (the weight as torch holds it, and `bias`), more than GROUP rows go to torch's own product instead (MKL's,
-   on Intel's CPUs, which is the faster there past about 100 rows); bfloat16 rows past PAIR_ROWS go to oneDNN's
-   (`onednn`). A C++ operator, so that a compiled step (C++ itself on a CPU) calls the kernel directly: SmolLM2's 211
+/* Each live layer's description by its number (packed_linear.py's, given in load order, so the same layer of a model
+   has the same number in every process that loads it alike): a compiled step passes the number, a constant of its
+   graph that torch's compile cache keys on. The description's address would differ in every process, so the cache
+   never served a later start; the description as a tensor served it, but each of SmolLM2's 211 layers an input of the
+   graph cost a compiled decode step about 0.9 ms (0.92x the time with numbers for one stream, 0.96x for 8 and 16:
+   step_bench.py's steps, the two in turn in one process, bfloat16 on 2 cores of an AMD EPYC). */
+static std::mutex described_lock;
+static std::unordered_map<int64_t, prefixgate_linear_weight> described;
+
+static void linear_describe(int64_t number, const at::Tensor &description) {
+    TORCH_CHECK(description.device().is_cpu() && description.scalar_type() == at::kByte &&
+                    description.is_contiguous() && description.numel() == (int64_t)sizeof(prefixgate_linear_weight),
+                "linear_describe takes a weight's description, a CPU tensor of its ", sizeof(prefixgate_linear_weight),
+                " bytes");
+    prefixgate_linear_weight w;
+    memcpy(&w, description.const_data_ptr(), sizeof w);
+    const std::lock_guard<std::mutex> hold(described_lock);
+    described[number] = w;
+}
+
+static void linear_forget(int64_t number) {
+    const std::lock_guard<std::mutex> hold(described_lock);
+    described.erase(number);
+}
+
+/* y = x W^T (+ bias) for rows x [..., k] of float32, or of bfloat16 for pair panels, W the packed weight described as
+   number `weight` (linear_describe; its layer keeps the layouts the description points into alive, and forgets the
+   number as it goes, see packed_linear.py). With `plain` (the weight as torch holds it, and `bias`), more than GROUP
+   rows go to torch's own product instead (MKL's, on Intel's CPUs, which is the faster there past about 100 rows);
+   bfloat16 rows past PAIR_ROWS go to oneDNN's (`onednn`). A C++ operator, so that a compiled step (C++ itself on a CPU) calls the kernel directly: SmolLM2's 211
    layers went through a Python one before, and a compiled decode step of one stream took 1.13 to 1.17 times as long
    with it, of 16 streams 1.05 to 1.09 times (README, "Benchmarks"). */
-static at::Tensor linear_panels(const at::Tensor &x, const at::Tensor &weight, int64_t out_features,
+static at::Tensor linear_panels(const at::Tensor &x, int64_t weight, int64_t out_features,
                                 const std::optional<at::Tensor> &plain, const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                    weight.numel() == (int64_t)sizeof(prefixgate_linear_weight),
-                "linear_panels takes the weight's description, a tensor of its ", sizeof(prefixgate_linear_weight),
-                " bytes");
-    const auto *w = reinterpret_cast<const prefixgate_linear_weight *>(weight.const_data_ptr());
+    prefixgate_linear_weight held;
+    {
+        const std::lock_guard<std::mutex> hold(described_lock);
+        const auto found = described.find(weight);
+        TORCH_CHECK(found != described.end(), "linear_panels: no live layer is described as number ", weight);
+        held = found->second;
+    }
+    const auto *w = &held;
     const bool bfloat16 = w->pairs != nullptr || w->onednn != nullptr;
     const auto dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype, "linear_panels takes ",
@@ -784,6 +813,12 @@ static at::Tensor linear_panels(const at::Tensor &x, const at::Tensor &weight, i
 }
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
-    m.def("linear_panels(Tensor x, Tensor weight, int out_features, Tensor? plain=None, Tensor? bias=None) -> Tensor");
+    m.def("linear_panels(Tensor x, int weight, int out_features, Tensor? plain=None, Tensor? bias=None) -> Tensor");
+    m.def("linear_describe(int number, Tensor description) -> ()");
+    m.def("linear_forget(int number) -> ()");
 }
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("linear_panels", &linear_panels); }
+TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
+    m.impl("linear_panels", &linear_panels);
+    m.impl("linear_describe", &linear_describe);
+}
+TORCH_LIBRARY_IMPL(prefixgate, CatchAll, m) { m.impl("linear_forget", &linear_forget); }

@@ -107,12 +107,9 @@ class PackedLinear(torch.nn.Module):
         # The kernel's layouts (see cpu_linear.cpp and `_describe`), none of them parameters: float panels, code panels
         # with their scales and offsets, or bfloat16 pair panels; and the bias.
         self.layout: dict[str, torch.Tensor] = {}
-        # The description of those layouts the kernel's operator takes (`_describe`): a buffer, so that a compiled
-        # step takes it as an input, not its address as a constant, which would differ in every process and keep
-        # torch's compile cache from ever serving the step to a later one.
-        self.description: torch.Tensor | None
-        self.register_buffer("description", None, persistent=False)
-        self.number = 0
+        # The description of those layouts (`_describe`), which the kernel's operator holds by the layer's number
+        self.description: torch.Tensor | None = None
+        self.number = next(_NUMBERS)  # in load order: the same layer has the same number in every process (see forward)
         self.packed: torch.Tensor | None = None  # oneDNN's opaque layout of the weight, where it has one
         # The weight as torch holds it, for products of more than 64 rows where MKL's are the faster (`mkl_past_64`)
         self.plain: torch.Tensor | None = None
@@ -121,7 +118,6 @@ class PackedLinear(torch.nn.Module):
                 paired = pairs and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0 and bfloat16_products()
                 if not (paired and pair_rows() is None):  # oneDNN's, unless the pair panels take every count
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-                    self.number = next(_NUMBERS)
                     _LAYERS[self.number] = self
                 if paired:
                     # the kernel's layouts: pair panels for up to `pair_rows()` rows, and before them its codes in
@@ -149,22 +145,27 @@ class PackedLinear(torch.nn.Module):
                     self.plain = weight
 
     def _describe(self, bits: int = 0, onednn: int | None = None, **layout: torch.Tensor) -> None:
-        """Keep the kernel's layouts of the weight (and the bias) and describe them to it: `layout` by their names in
-        its description of the weight, which points into them; the operator takes the description, as bytes."""
+        """Keep the kernel's layouts of the weight (and the bias) and describe them to it under the layer's number:
+        `layout` by their names in its description of the weight, which points into them. The number is forgotten as
+        the layer goes."""
         self.layout = dict(layout)
         if self.bias is not None:
             self.layout["bias"] = self.bias.detach().contiguous()
         pointers = {name: part.data_ptr() for name, part in self.layout.items()}
         described = _Weight(n=self.out_features, k=self.in_features, bits=bits, onednn=onednn, **pointers)
         self.description = torch.frombuffer(bytearray(described), dtype=torch.uint8)
+        torch.ops.prefixgate.linear_describe(self.number, self.description)
+        weakref.finalize(self, torch.ops.prefixgate.linear_forget, self.number)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`."""
+        """Return `x @ weight.T + bias` for `x` of shape `[..., in_features]`. Either operator takes the layer's
+        number, a constant of a compiled step's graph that is the same in every process loading the model alike, so
+        torch's compile cache serves a later start (see cpu_linear.cpp's `described`)."""
         out: torch.Tensor
         if self.description is None:
             out = torch.ops.prefixgate.packed_linear(x, self.number)
         else:
-            out = torch.ops.prefixgate.linear_panels(x, self.description, self.out_features, self.plain, self.bias)
+            out = torch.ops.prefixgate.linear_panels(x, self.number, self.out_features, self.plain, self.bias)
         return out
 
 
@@ -556,7 +557,7 @@ def _kernel() -> bool:
 
 def _linear_panels_shape(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: int,
     out_features: int,
     plain: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,

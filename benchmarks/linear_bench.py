@@ -19,10 +19,10 @@ run on FMAs), and oneDNN's layout alone through the Python operator (`prefixgate
 kernel does not take bfloat16 run), and what reading the bfloat16 weights once takes.
 
 With `--against DIR` it prints one table instead: the kernel built from DIR/cpu_linear.cpp (say an earlier commit's
-`backends/`, whose weight layout is this one's) beside this build's, both on the same layers packed as a server packs
-them (in bfloat16 where the kernel takes it, else float32), taking turns layer pass by layer pass, so that a machine
-whose speed drifts meets both alike: each one's median, the median of the pass-by-pass ratio with its lowest and
-highest, and whether the two gave the same bits. `--rows` chooses the row counts.
+`backends/`, whose weight layout is this one's and whose operator takes a layer by its number) beside this build's, both
+on the same layers packed as a server packs them (in bfloat16 where the kernel takes it, else float32), taking turns
+layer pass by layer pass, so that a machine whose speed drifts meets both alike: each one's median, the median of the
+pass-by-pass ratio with its lowest and highest, and whether the two gave the same bits. `--rows` chooses the row counts.
 """
 
 from __future__ import annotations
@@ -186,6 +186,8 @@ def against(directory: Path, counts: list[int]) -> None:
     packed = [packed_linear._pack(linear, original=found) for linear, found in zip(plain, codes, strict=True)]
     # those the kernel takes
     layers = [layer for layer in packed if layer is not None and layer.description is not None]
+    for layer in layers:  # described to the other build's operator too, by the same numbers
+        torch.ops.prefixgate_against.linear_describe(layer.number, layer.description)
     print(
         f"SmolLM2-135M-Instruct's {len(layers)} linear layers the kernel takes (of {len(plain)}) in {dtype}, as a "
         f"server packs them, {torch.get_num_threads()} threads: this build against the kernel in {directory}, in turn\n"
@@ -198,7 +200,7 @@ def against(directory: Path, counts: list[int]) -> None:
             # each operator called alike, with nothing between: a module's call costs a few microseconds a layer
             def run(operator: Operator, inputs: dict[int, torch.Tensor] = inputs) -> list[torch.Tensor]:
                 return [
-                    operator(inputs[layer.in_features], layer.description, layer.out_features, layer.plain, layer.bias)
+                    operator(inputs[layer.in_features], layer.number, layer.out_features, layer.plain, layer.bias)
                     for layer in layers
                 ]
 

@@ -43,9 +43,9 @@ def python_operator() -> torch.library.Library:
     """Define `benchmark::linear_in_python`: the kernel's operator called from an operator written in Python; return
     its library, which must be kept (the definition lives as long as it)."""
     library = torch.library.Library("benchmark", "DEF")  # type: ignore[no-untyped-call]
-    library.define("linear_in_python(Tensor x, Tensor weight, int out_features) -> Tensor")  # type: ignore[no-untyped-call]
+    library.define("linear_in_python(Tensor x, int weight, int out_features) -> Tensor")  # type: ignore[no-untyped-call]
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    def linear(x: torch.Tensor, weight: int, out_features: int) -> torch.Tensor:
         out: torch.Tensor = torch.ops.prefixgate.linear_panels(x, weight, out_features)
         return out
 
@@ -64,7 +64,7 @@ class PythonLinear(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.benchmark.linear_in_python(x, self.layer.description, self.layer.out_features)
+        out: torch.Tensor = torch.ops.benchmark.linear_in_python(x, self.layer.number, self.layer.out_features)
         return out
 
 

@@ -163,7 +163,7 @@ backend.close()
 @pytest.mark.skipif(not packed_linear.bfloat16_products(), reason="the linear kernel takes no bfloat16 here")
 def test_a_later_process_takes_the_compiled_step_from_torchs_compile_cache(tmp_path: Path) -> None:
     # The linear kernel's operator once took each weight's description by its address: a constant of the graph that
-    # differed in every process, so the cache never served a later one.
+    # differed in every process, so the cache never served a later one; it takes the layer's number now.
     environment = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     root = Path(__file__).resolve().parent.parent.parent
     runs = [

@@ -5,6 +5,7 @@ and elsewhere GGUF codes in the kernel's for up to 64 rows, MKL's products past 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import subprocess
 import sys
@@ -77,8 +78,13 @@ def test_the_float32_kernels_operator_refuses_rows_it_cannot_take_and_says_what_
         with pytest.raises(RuntimeError, match="takes float32 rows"):
             layer(torch.randn(3, 64, dtype=torch.bfloat16))
         with pytest.raises(RuntimeError, match="has 48 outputs, not 47"):
-            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), layer.description, 47)
+            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), layer.number, 47)
         assert layer(torch.randn(0, 64)).shape == (0, 48)  # no rows: no product, and an empty output
+        number = layer.number
+        del layer
+        gc.collect()
+        with pytest.raises(RuntimeError, match=f"no live layer is described as number {number}"):
+            torch.ops.prefixgate.linear_panels(torch.randn(3, 64), number, 48)  # its layouts went with it
 
 
 GGUF_BLOCKS = [

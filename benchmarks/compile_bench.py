@@ -10,6 +10,12 @@ clients while it compiled and after, and the longest and 99th-percentile gap bet
 runs the compiling thread at nice N instead of the 19 it is built with, to weigh the trade-off. Where the step is not
 compiled by default (nothing prepacked), it says so and stops. A run that ends while the step still compiles may abort
 on its way out ("terminate called without an active exception"), after its table.
+
+With `--restarts N` it times starts instead, without traffic: N processes one after another, each loading SmolLM2 as a
+server does and waiting for its step to be compiled (as `prefixgate serve --compile-wait` does), all with one compile
+cache in a temporary folder, empty for the first. It prints each start's seconds to the model loaded and to the step
+compiled (from the process's first line, its imports included) and how many of the step's two graphs came from torch's
+compile cache.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +37,19 @@ from prefixgate.store import BlockLayout, StoreConfig, TierConfig, TieredStore
 
 MODEL = "smollm2-135m"
 BUILT_NICE = 19  # what the compiling thread sets itself to
+# One start (`--restarts`): load the model, wait for the step to compile, print the seconds of each and the graphs taken
+# from the compile cache.
+START = f"""
+import time
+started = time.perf_counter()
+from torch._dynamo.utils import counters
+from prefixgate.backends import HFBackend
+backend = HFBackend.load({MODEL!r})
+loaded = time.perf_counter()
+backend.wait_compiled()
+print(loaded - started, time.perf_counter() - started, backend.steps, counters["inductor"]["fxgraph_cache_hit"])
+backend.close()
+"""
 
 
 def at_nice(nice: int) -> None:
@@ -48,7 +69,11 @@ async def main() -> None:
     parser.add_argument("--minutes", type=float, default=10, help="the longest the clients run")
     parser.add_argument("--after", type=float, default=90, help="seconds the clients run once the step is compiled")
     parser.add_argument("--nice", type=int, default=BUILT_NICE, help="the compiling thread's nice value")
+    parser.add_argument("--restarts", type=int, default=0, help="time N starts on one compile cache instead")
     args = parser.parse_args()
+    if args.restarts:
+        restarts(args.restarts)
+        return
     if args.nice != BUILT_NICE:
         at_nice(args.nice)
     with tempfile.TemporaryDirectory() as folder:
@@ -114,6 +139,25 @@ async def main() -> None:
             ]
         ],
     )
+
+
+def restarts(count: int) -> None:
+    """Time `count` starts one after another on one compile cache, empty for the first (see `START`)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        environment = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(Path(folder) / "inductor")}
+        for start in range(1, count + 1):
+            run = subprocess.run(
+                [sys.executable, "-c", START], env=environment, capture_output=True, text=True, check=False
+            )
+            if run.returncode != 0:
+                raise SystemExit(f"start {start} failed:\n{run.stderr[-2000:]}")
+            loaded, compiled, steps, hits = run.stdout.split()[-4:]
+            if steps != "compiled":
+                print(f"the step is not compiled by default here (steps: {steps}); nothing to measure")
+                return
+            rows.append([str(start), f"{float(loaded):.1f} s", f"{float(compiled):.1f} s", f"{hits} of 2"])
+    table(["start", "model loaded", "step compiled", "graphs from the compile cache"], rows)
 
 
 if __name__ == "__main__":

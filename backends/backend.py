@@ -74,6 +74,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: bool = False  # return each generated token's log probability
     top_logprobs: int = 0  # and this many of the most likely tokens at its position
+    # The prompt's tokens' log probabilities too, each with this many of the most likely tokens at its position (vLLM's
+    # prompt_logprobs; a completion's echo with logprobs); None: not asked for. The whole prompt is then computed.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0  # the end of the turn cannot come before this many (stop strings still apply, as in vLLM)
     ignore_eos: bool = False  # run to max_tokens or a stop string, past the end of the turn
     grammar: str | None = None  # a Lark grammar (llguidance's dialect) the answer must follow
@@ -111,6 +114,11 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise RequestError('top_logprobs needs "logprobs": true', param="top_logprobs")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(
+                f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
         if not (0 <= self.min_tokens <= self.max_tokens):
             raise RequestError(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
@@ -140,10 +148,10 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """A generated token's log probability, and the most likely tokens at its position when they were asked for."""
+    """A token's log probability, and the most likely tokens at its position when they were asked for."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which has nothing before it
     bytes: tuple[int, ...] | None
     top: tuple[TopLogprob, ...] = ()
 
@@ -164,6 +172,9 @@ class TokenChunk:
     reasoning: str = ""
     refusal: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
+    # On the first chunk, where asked for (`SamplingParams.prompt_logprobs`): each prompt token's log probability given
+    # the tokens before it (the first's None)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def check_context(context_length: int, prompt_tokens: int, max_tokens: int = 0) -> None:

@@ -386,6 +386,9 @@ class HFBackend:
                     param="logit_bias",
                 )
             shared = reservation.offset if reservation is not None else 0
+            if params.prompt_logprobs is not None and (cached_blocks or shared):
+                # the cached prefix has no logits: its tokens' log probabilities need it computed
+                raise RuntimeError("a request for its prompt's log probabilities starts from no cached prefix")
             plan = self._plan(token_ids, cached_blocks, max_tokens=params.max_tokens, prefill_only=False, shared=shared)
             plan = replace(plan, prompt_tail=prompt_tail)
         except BaseException:
@@ -447,6 +450,7 @@ class HFBackend:
             eos_ids=frozenset() if params.ignore_eos else self._eos_ids,
             max_tokens=params.max_tokens,
             logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
         )
         async with contextlib.aclosing(self._run(plan, decoding, on_block, reservation)) as items:
             async for item in items:

@@ -35,6 +35,7 @@ class StepInput:
     start: int
     offset: int = 0  # positions held in `shared` instead of `kv`
     shared: tuple[torch.Tensor, ...] = ()  # the shared prefixes it starts from, root first (see attention.Segment)
+    every_logit: bool = False  # the logits of every token fed, not only of the last (a prompt's log probabilities)
 
 
 _Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # input ids, positions, last -> logits
@@ -183,7 +184,8 @@ class ModelRunner:
             self.model.set_attn_implementation(self._unpacked)
 
     def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
-        """Feed every input's tokens in one packed forward pass; return each input's last-position logits.
+        """Feed every input's tokens in one packed forward pass; return each input's last-position logits, or each of
+        its positions' where it asks for `every_logit`, in order (`[rows, vocab]`).
 
         Each input's new K and V land in its buffer at positions `[start, start + len(token_ids))`.
         """
@@ -228,12 +230,15 @@ class ModelRunner:
         positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # position_ids: [1, total]
-        # last: [max(segments, 2)], each segment's last token; one segment's twice, so that the count is never 1 (a
-        # graph of its own when compiled).
-        last = torch.tensor(batch.cu_seqlens[1:] * (2 if len(inputs) == 1 else 1), device=self.device) - 1
+        # The positions whose logits are kept: each segment's last token, or every token of those that ask.
+        kept: list[int] = []
+        for i, end in zip(inputs, batch.cu_seqlens[1:], strict=True):
+            kept.extend(range(end - len(i.token_ids), end) if i.every_logit else (end - 1,))
+        # last: [max(kept, 2)]; a single position twice, so that the count is never 1 (a graph of its own when compiled)
+        last = torch.tensor(kept * (2 if len(kept) == 1 else 1), device=self.device)
         with attention.packed_step(batch):
             logits = step(input_ids, position_ids, last)  # logits: [1, len(last), vocab]
-        return logits[0, : len(inputs)].float()
+        return logits[0, : len(kept)].float()
 
     def _eager_alone(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """The eager step, never while another thread traces (see `_TRACING`)."""
@@ -246,16 +251,17 @@ class ModelRunner:
         assert isinstance(logits, torch.Tensor)
         return logits
 
-    def run_alone(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
-        """Feed `token_ids` after what transformers' own `cache` holds; return the last position's logits.
+    def run_alone(self, token_ids: Sequence[int], cache: DynamicCache, *, every_logit: bool = False) -> torch.Tensor:
+        """Feed `token_ids` after what transformers' own `cache` holds; return the last position's logits (`[1,
+        vocab]`), or with `every_logit` every position's (`[len(token_ids), vocab]`).
 
         For models whose cache is not per-token K and V (state-space, hybrid layers): they run one request a step.
         """
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # ids: [1, new]
         kwargs: dict[str, object] = {self.cache_argument: cache, "use_cache": True}
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+            kwargs["logits_to_keep"] = 0 if every_logit else 1  # 0: every position's
         # Position ids are left to the model: it counts them from the cache length.
         logits = self.model(input_ids=input_ids, **kwargs).logits  # logits: [1, kept, vocab]
         assert isinstance(logits, torch.Tensor)
-        return logits[0, -1].float()  # logits: [vocab]
+        return logits[0, -len(token_ids) if every_logit else -1 :].float()

@@ -67,13 +67,26 @@ class Sampler:
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         """Return the log probability of `token` under `logits` (`[vocab]`), with the request's `top_logprobs` most
         likely tokens."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # logprobs: [vocab]
-        top: tuple[TopLogprob, ...] = ()
-        if self._params.top_logprobs:
-            values, ids = torch.topk(logprobs, self._params.top_logprobs)
-            top = tuple(self._entry(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
-        chosen = self._entry(token, float(logprobs[token]))
-        return TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, top)
+        (entry,) = self.logprobs(logits.unsqueeze(0), [token], self._params.top_logprobs)
+        return entry
+
+    def logprobs(self, logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """Return the log probability of each of `tokens` under its row of `logits` (`[rows, vocab]`), with the `top`
+        most likely tokens of the row."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # logprobs: [rows, vocab]
+        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:, :0], logprobs[:, :0].long())
+        entries = []
+        for token, logprob, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True):
+            best = tuple(self._entry(i, v) for i, v in zip(row_ids, row_values, strict=True))
+            entry = self._entry(token, logprob)
+            entries.append(TokenLogprob(entry.token, entry.logprob, entry.bytes, best))
+        return entries
+
+    def unscored(self, token: int) -> TokenLogprob:
+        """Return the entry of a token that has no log probability: a prompt's first, with nothing before it."""
+        entry = self._entry(token, 0.0)
+        return TokenLogprob(entry.token, None, entry.bytes)
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         params = self._params

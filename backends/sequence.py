@@ -8,13 +8,13 @@ its next token from the logits when it has reached the end of its prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import torch
 from transformers import DynamicCache
 
-from prefixgate.backends.backend import BlockCallback, FinishReason, TokenChunk
+from prefixgate.backends.backend import BlockCallback, FinishReason, TokenChunk, TokenLogprob
 from prefixgate.backends.kv_buffers import KVReservation
 from prefixgate.backends.sampler import Sampler
 from prefixgate.backends.text_stream import TextStream
@@ -47,6 +47,7 @@ class Decoding:
     eos_ids: frozenset[int]  # the tokens that end the answer (none with ignore_eos)
     max_tokens: int
     logprobs: bool = False  # each token comes with its log probability
+    prompt_logprobs: int | None = None  # the prompt's tokens' too, with this many alternatives (all of it computed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,11 @@ class Sequence:
         self._outbox: TokenChunk | int | None = None  # the last step's result, until publish()
         self._finished = False
         self._cancelled = False
+        # The prompt's log probabilities so far, where asked for, until the first token carries them
+        self._prompt_logprobs: list[TokenLogprob] | None = None
+        if decoding is not None and decoding.prompt_logprobs is not None:
+            assert self.start == 0, "a prompt's log probabilities need its whole prompt computed"
+            self._prompt_logprobs = [decoding.sampler.unscored(self.tokens[0])]  # nothing before it
 
     @property
     def finished(self) -> bool:
@@ -103,6 +109,12 @@ class Sequence:
     def cancelled(self) -> bool:
         """Say whether the sequence's consumer has gone."""
         return self._cancelled
+
+    @property
+    def every_logit(self) -> bool:
+        """Say whether the next step gives the logits of every token fed, not only of the last (while it computes a
+        prompt whose log probabilities were asked for)."""
+        return self._prompt_logprobs is not None and self.computed < self._plan.prefill_end
 
     @property
     def prefill_left(self) -> int:
@@ -124,15 +136,26 @@ class Sequence:
         return self.tokens[self.computed : self.computed + tokens]
 
     def advance(self, tokens: int, logits: torch.Tensor) -> StepKind:
-        """Take a step's result: `tokens` more in the cache, and the last one's logits (`[vocab]`)."""
+        """Take a step's result: `tokens` more in the cache, and the last one's logits (`[1, vocab]`), or every one's
+        (`[tokens, vocab]`) where the step was asked for them (`every_logit`)."""
         kind: StepKind = "prefill" if self.computed < self._plan.prefill_end else "decode"
+        if self.every_logit:
+            self._score_prompt(logits)
         self.computed += tokens
         self._hand_back_blocks()
         if kind == "decode":
-            self._take(logits)
+            self._take(logits[-1])
         elif self.computed == self._plan.prefill_end:
-            self._end_prefill(logits)
+            self._end_prefill(logits[-1])
         return kind
+
+    def _score_prompt(self, logits: torch.Tensor) -> None:
+        """Add the log probability of each prompt token that follows one fed this step, under its logits."""
+        decoding, scored = self._decoding, self._prompt_logprobs
+        assert decoding is not None and decoding.prompt_logprobs is not None and scored is not None
+        following = self.tokens[self.computed + 1 : min(self.computed + logits.shape[0] + 1, self._plan.prefill_end)]
+        if following:
+            scored.extend(decoding.sampler.logprobs(logits[: len(following)], following, decoding.prompt_logprobs))
 
     def publish(self) -> None:
         """Deliver the last step's token (or prefill count) to the consumer; a gone consumer cancels the sequence."""
@@ -184,6 +207,9 @@ class Sequence:
                 chunk = TokenChunk(token, delta.text + tail.text, reason, tail.stop, logprobs=logprobs)
             else:
                 chunk = TokenChunk(token, delta.text, None, logprobs=logprobs)
+        if self._prompt_logprobs is not None:  # the first token carries them
+            chunk = replace(chunk, prompt_logprobs=tuple(self._prompt_logprobs))
+            self._prompt_logprobs = None
         if chunk.finish_reason is not None:
             # The last token is never fed back: its K and V are not needed, so no block covers it.
             self._finished = True

@@ -191,7 +191,7 @@ class Worker:
         started = self._clock()
         try:
             with torch.inference_mode():
-                logits = self._forward(plan)  # logits: [sequences, vocab]
+                logits = self._forward(plan)  # logits: [rows, vocab], a row a sequence or one a token fed (see rows)
         except Exception as error:
             if len(plan) == 1:  # the request fails, the worker keeps serving the others
                 _log.debug("sequence %d failed", plan[0].seq.seq_id, exc_info=True)
@@ -203,7 +203,8 @@ class Worker:
                 self._step([item])
             return
         work = []
-        for item, row in zip(plan, logits, strict=True):
+        rows = [item.tokens if item.seq.every_logit else 1 for item in plan]
+        for item, row in zip(plan, torch.split(logits, rows), strict=True):
             try:
                 with torch.inference_mode():
                     kind = item.seq.advance(item.tokens, row)
@@ -230,10 +231,11 @@ class Worker:
                 memory = item.seq.memory
                 buffer = memory.buffer
                 assert buffer is not None, "packed steps run in KV buffers"
-                inputs.append(StepInput(token_ids, buffer, item.seq.computed, memory.offset, memory.shared))
+                every = item.seq.every_logit
+                inputs.append(StepInput(token_ids, buffer, item.seq.computed, memory.offset, memory.shared, every))
             return self._runner.run(inputs)
         (item,) = plan
         seq = item.seq
         if seq.cache is None:
             seq.cache = DynamicCache(config=self._runner.config)
-        return self._runner.run_alone(seq.feed(item.tokens), seq.cache).unsqueeze(0)
+        return self._runner.run_alone(seq.feed(item.tokens), seq.cache, every_logit=seq.every_logit)

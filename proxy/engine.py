@@ -276,13 +276,16 @@ class Engine:
         # its shared part read in place where the store's top tier holds it (lent for this request when new), and
         # the request admitted for the rest of its KV memory, into which the rest of the cached prefix is fetched.
         check_context(self.backend.context_length, len(prepared.token_ids), request.params.max_tokens)
-        held, owned = await self._claim(prepared)
+        # A request for its prompt's log probabilities computes its whole prompt (a cached prefix has no logits), and
+        # files none of it: it neither reads nor fills the cache.
+        scored = params.prompt_logprobs is not None
+        held, owned = (HeldRun(0, ()), []) if scored else await self._claim(prepared)
         reservation: KVReservation | None = None
         try:
-            start = await self._start(prepared, held)
+            start = None if scored else await self._start(prepared, held)
             # Takes the start over: it lets go of it when the request ends, or at once if it is refused.
             reservation = await self.backend.reserve(len(prepared.token_ids), request.params.max_tokens, start=start)
-            hit = await self._load(prepared, reservation)
+            hit = self._nothing_cached(prepared) if scored else await self._load(prepared, reservation)
             # Blocks the load found after all (in the remote tier, or filed meanwhile) are nobody's to compute.
             found = set(prepared.keys[: len(hit.tiers)])
             self._release([key for key in owned if key in found])
@@ -291,7 +294,9 @@ class Engine:
                 prepared.token_ids,
                 hit.kv,
                 params,
-                on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
+                on_block=self._block_filer(prepared, asyncio.get_running_loop())
+                if self.backend.prefix_reuse and not scored
+                else None,
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
                 prompt_tail=request.prompt_tail,
             )
@@ -510,11 +515,15 @@ class Engine:
     async def _load(self, prepared: PreparedPrompt, reservation: KVReservation) -> PrefixHit:
         """Wait for the shared prefixes the request reads, then fetch the rest of its cached prefix into its buffer."""
         if not self.backend.prefix_reuse:
-            return PrefixHit(prepared.keys[: prepared.reusable], (), self.backend.geometry.block_size)
+            return self._nothing_cached(prepared)
         shared = await reservation.settle()
         block_size = self.backend.geometry.block_size
         hit = await asyncio.to_thread(self._fetch, prepared, reservation.buffer, shared // block_size)
         return replace(hit, tiers=reservation.shared_tiers + hit.tiers)
+
+    def _nothing_cached(self, prepared: PreparedPrompt) -> PrefixHit:
+        """Return the hit of a request that reads nothing from the cache."""
+        return PrefixHit(prepared.keys[: prepared.reusable], (), self.backend.geometry.block_size)
 
     def _fill(self, prepared: PreparedPrompt, start: PrefixStart) -> None:
         """Have the store lend each new shared prefix its blocks in place, parents first, and report each fill,

@@ -25,7 +25,7 @@ from typing import Any
 from prefixgate.backends import TokenChunk
 from prefixgate.backends.router import DEFAULT_BALANCE_ABS, Route, Upstream, text_keys
 from prefixgate.backends.upstream import UpstreamConfig, UpstreamError, UpstreamPool, UpstreamStream
-from prefixgate.errors import ConfigError
+from prefixgate.errors import ConfigError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
     CanonicalRules,
@@ -131,6 +131,12 @@ class UpstreamEngine:
     async def generate(self, request: PromptRequest) -> UpstreamGeneration:
         """Send a request to its upstream and return the stream once its first chunk is in (errors surface here)."""
         started = time.perf_counter()
+        if request.params.prompt_logprobs is not None:
+            raise RequestError(
+                "the prompt's log probabilities (echo with logprobs) come from a local model only; in front of "
+                "upstreams leave out logprobs or echo",
+                param="echo",
+            )
         forward = await asyncio.to_thread(self._prepare, request)
         try:
             stream = await self.pool.open(forward.endpoint, forward.body, forward.keys, request.hint)

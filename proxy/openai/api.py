@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -334,25 +335,27 @@ class CompletionRequest(_Generation):
 
     # Text, or token ids (as vLLM takes them, from its /tokenize, say); one prompt, alone or in a list of one.
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool = False  # the prompt before the answer; with logprobs, its tokens' too (the whole prompt computed)
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy form: how many top tokens, besides the chosen one
 
     def to_prompt_request(self, tenant: str) -> PromptRequest:
         """Return the engine's request, refusing what this server cannot honour."""
-        prompt = self._prompt()
+        prompt = self.sent_prompt()
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
-        for name, value in (("echo", self.echo), ("suffix", self.suffix)):
-            if value:
-                raise RequestError(f"{name} is not supported; leave it out", param=name)
+        if self.suffix:
+            raise RequestError("suffix is not supported; leave it out", param="suffix")
         if self.best_of not in (None, 1):
             raise RequestError("best_of is not supported; leave it out or set it to 1", param="best_of")
+        params = self.sampling_params(
+            self.max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+        )
+        if self.echo and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
         return PromptRequest(
-            params=self.sampling_params(
-                self.max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
-            ),
+            params=params,
             prompt=prompt,
             tenant=tenant,
             cache_salt=self.cache_salt,
@@ -362,7 +365,7 @@ class CompletionRequest(_Generation):
             extensions=self.extensions(),
         )
 
-    def _prompt(self) -> str | tuple[int, ...]:
+    def sent_prompt(self) -> str | tuple[int, ...]:
         """Return the one prompt sent: its text, or its token ids."""
         sent = self.prompt
         if isinstance(sent, str):
@@ -595,7 +598,10 @@ def _text_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int = 0) -> dict[
     return {
         "tokens": [entry.token for entry in logprobs],
         "token_logprobs": [entry.logprob for entry in logprobs],
-        "top_logprobs": [{top.token: top.logprob for top in entry.top} for entry in logprobs],
+        # an echoed prompt's first token has no log probability, and no alternatives
+        "top_logprobs": [
+            None if entry.logprob is None else {top.token: top.logprob for top in entry.top} for entry in logprobs
+        ],
         "text_offset": offsets,
     }
 

@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from prefixgate.backends import TokenChunk
+from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import assemble
 from prefixgate.proxy.body import parsed
 from prefixgate.proxy.choices import Choices
 from prefixgate.proxy.openai import api
 from prefixgate.proxy.serving import (
     answer_headers,
+    engine_for,
     open_stream,
     prompt_request,
     send_data,
@@ -24,6 +28,7 @@ from prefixgate.proxy.serving import (
     start,
     streaming_failure,
 )
+from prefixgate.proxy.upstream_engine import UpstreamEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +47,16 @@ async def _generate(
     request: web.Request, body: api.ChatCompletionRequest | api.CompletionRequest, *, chat: bool
 ) -> web.StreamResponse:
     param = "messages" if chat else "prompt"
+    echo = await _echo(request, body) if isinstance(body, api.CompletionRequest) else None
     choices = await start(request, body.model, await prompt_request(request, body), prompt_param=param, n=body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
         async with choices:
-            return await _stream(request, choices, body.model, include_usage, chat=chat)
+            return await _stream(request, choices, body.model, include_usage, chat=chat, echo=echo)
     chunks: list[list[TokenChunk]] = [[] for _ in choices.generations]
     async with choices:
-        async for index, chunk in choices.chunks():
+        async for index, chunk in _chunks(choices, echo):
             chunks[index].append(chunk)
     render = api.chat_completion if chat else api.text_completion
     answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
@@ -59,8 +65,37 @@ async def _generate(
     return web.json_response(payload, headers=answer_headers(first))
 
 
+async def _echo(request: web.Request, body: api.CompletionRequest) -> str | None:
+    """Return the prompt a completion echoes before its answer, as sent (token ids as the model's tokenizer decodes
+    them); None without echo."""
+    if not body.echo:
+        return None
+    prompt = body.sent_prompt()
+    if isinstance(prompt, str):
+        return prompt
+    engine = engine_for(request, body.model)
+    if isinstance(engine, UpstreamEngine):
+        raise RequestError(
+            "echo of a prompt of token ids needs the model's tokenizer, which this server (in front of upstreams) "
+            "does not hold; send the prompt as text, or leave out echo",
+            param="echo",
+        )
+    return await asyncio.to_thread(engine.backend.decode, prompt, skip_special_tokens=False)
+
+
+async def _chunks(choices: Choices, echo: str | None) -> AsyncIterator[tuple[int, TokenChunk]]:
+    """Each choice's chunks, by its index; with `echo`, each choice's first carries the prompt before its text, and
+    the prompt's tokens' log probabilities (where they were asked for) before its own."""
+    echoed: set[int] = set()
+    async for index, chunk in choices.chunks():
+        if echo is not None and index not in echoed:
+            echoed.add(index)
+            chunk = replace(chunk, text=echo + chunk.text, logprobs=chunk.prompt_logprobs + chunk.logprobs)
+        yield index, chunk
+
+
 async def _stream(
-    request: web.Request, choices: Choices, model: str, include_usage: bool, *, chat: bool
+    request: web.Request, choices: Choices, model: str, include_usage: bool, *, chat: bool, echo: str | None = None
 ) -> web.StreamResponse:
     """Send the choices as server-sent events, exactly as OpenAI does, each chunk one choice's (by its index) as it
     comes; the caller closes the choices."""
@@ -99,7 +134,7 @@ async def _stream(
         if chat:
             for index in range(len(choices.generations)):
                 await send_data(response, chunk(index, None, role=True))
-        async for index, token in choices.chunks():
+        async for index, token in _chunks(choices, echo):
             if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
                 await send_data(response, chunk(index, token))
             if token.finish_reason is not None:  # the choice's last chunk

@@ -80,6 +80,9 @@ def test_compiled_steps_give_the_logits_of_eager_ones_for_every_shape_of_step(
             StepInput(prompt[:1], kv[1], 30, 16, (root,)),
             StepInput(prompt[:7], kv[2], 9),
         ],
+        # every position's logits of a chunk (a prompt's log probabilities), beside a decoding stream, and alone
+        lambda kv: [StepInput(prompt[:9], kv[0], 0, every_logit=True), StepInput(prompt[5:6], kv[1], 20)],
+        lambda kv: [StepInput(prompt[:1], kv[0], 0, every_logit=True)],
     ]
     for step in steps:
         buffers = [torch.randn((g.layers, 2, g.kv_heads, 40, g.head_dim)) for _ in range(3)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -131,6 +133,17 @@ async def test_a_packed_step_gives_each_request_the_logits_it_would_get_alone(
         logits = runner.run([StepInput(other[20:], fresh, 20), StepInput(prompt[30:45], cached, 30)])
         torch.testing.assert_close(logits[0], other_full[-1], atol=ATOL, rtol=0)
         torch.testing.assert_close(logits[1], full[-1], atol=ATOL, rtol=0)
+        # An input that asks for every position's logits (a prompt's log probabilities) gets a row for each, in order,
+        # before the next input's row.
+        logits = runner.run(
+            [
+                StepInput(other[:20], torch.zeros_like(fresh), 0, every_logit=True),
+                StepInput(prompt[41:42], decoding, 41),
+            ]
+        )
+        assert logits.shape[0] == 21
+        torch.testing.assert_close(logits[:20], other_full[:20], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[20], full[41], atol=ATOL, rtol=0)
 
 
 async def test_greedy_continuation_is_token_identical_with_and_without_cached_blocks(
@@ -248,3 +261,52 @@ async def test_blocks_load_onto_the_model_from_any_layout_of_the_same_geometry(m
     strided = [b.transpose(3, 4).contiguous().transpose(3, 4) for b in sink.blocks]
     assert not strided[0].is_contiguous()
     assert (await collect(backend, prompt, strided[:2])).token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("chunk", [5, 1000])
+async def test_a_prompts_log_probabilities_are_those_of_a_full_forward_pass(
+    make_backend: BackendFactory, llama: PreTrainedModel, chunk: int
+) -> None:
+    prompt = make_prompt(37)
+    backend = make_backend(prefill_chunk_tokens=chunk)  # 5: chunks that straddle blocks, each scored as it runs
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    chunks = [c async for c in backend.generate(prompt, [], params)]
+    scored = chunks[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0].logprob is None  # the first token has nothing before it
+    assert all(c.prompt_logprobs == () for c in chunks[1:])
+    expected = torch.log_softmax(reference_logits(llama, prompt), dim=-1)  # expected: [tokens, vocab]
+    for position, entry in enumerate(scored[1:], start=1):
+        assert entry.logprob == pytest.approx(float(expected[position - 1, prompt[position]]), abs=1e-4)
+        best = torch.topk(expected[position - 1], 2)
+        assert [top.logprob for top in entry.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert [top.token for top in entry.top] == [backend._token_text(int(t)) for t in best.indices]
+    # the answer is the one asked without them
+    assert [c.token_id for c in chunks] == (
+        await collect(backend, prompt, params=replace(params, prompt_logprobs=None))
+    ).token_ids
+
+
+async def test_a_request_for_its_prompts_log_probabilities_takes_no_cached_prefix(make_backend: BackendFactory) -> None:
+    prompt, blocks = await prefilled_blocks(make_backend, 45)
+    with pytest.raises(RuntimeError, match="starts from no cached prefix"):
+        make_backend().generate(prompt, blocks[:2], SamplingParams(max_tokens=2, prompt_logprobs=0))
+
+
+async def test_a_prompt_scored_beside_a_decoding_stream_leaves_each_its_own_answer(
+    make_backend: BackendFactory, llama: PreTrainedModel, steps: list[StepRecord]
+) -> None:
+    prompt, other = make_prompt(37), make_prompt(20, offset=11)
+    alone = make_backend()
+    expected = [(await collect(alone, p, params=replace(GREEDY, max_tokens=12))).token_ids for p in (prompt, other)]
+    backend = make_backend(prefill_chunk_tokens=5, on_step=steps.append)
+    decoding = backend.generate(other, [], replace(GREEDY, max_tokens=12))
+    first = await anext(decoding)  # the other stream decodes from here on, through the scored prompt's chunks
+    scored = [c async for c in backend.generate(prompt, [], replace(GREEDY, max_tokens=12, prompt_logprobs=0))]
+    rest = [c async for c in decoding]
+    assert [first.token_id, *(c.token_id for c in rest)] == expected[1]
+    assert [c.token_id for c in scored] == expected[0]
+    assert any({w.kind for w in step.work} == {"prefill", "decode"} for step in steps)  # they shared steps
+    log_softmax = torch.log_softmax(reference_logits(llama, prompt), dim=-1)
+    got = [entry.logprob for entry in scored[0].prompt_logprobs[1:]]
+    want = [float(log_softmax[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    assert got == pytest.approx(want, abs=1e-4)

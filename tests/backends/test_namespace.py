@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import Backend, KVGeometry
+from prefixgate.backends import Backend, KVGeometry, SamplingParams
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
 from prefixgate.errors import BlockMismatchError
 from tests.backends.conftest import BackendFactory
@@ -107,3 +107,10 @@ async def test_a_state_space_model_is_refused_for_reuse(
     result = await collect(backend, prompt, on_block=sink)
     assert result.token_ids == transformers_greedy(mamba, prompt, GREEDY.max_tokens)
     assert sink.indices == []
+    # Its prompt's log probabilities too, from the one pass: those of transformers' own forward
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    chunks = [chunk async for chunk in backend.generate(prompt, [], params)]
+    with torch.inference_mode():
+        expected = torch.log_softmax(mamba(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [tokens, vocab]
+    got = [entry.logprob for entry in chunks[0].prompt_logprobs[1:]]
+    assert got == pytest.approx([float(expected[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)

@@ -7,6 +7,7 @@ about a second.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -102,6 +103,20 @@ async def test_it_knows_the_capital_of_france(smollm2: HFBackend) -> None:
     prompt = smollm2.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     result = await collect(smollm2, prompt, params=ANSWER)
     assert "Paris" in result.text
+
+
+async def test_its_prompt_log_probabilities_find_paris_likely_and_a_wrong_city_not(smollm2: HFBackend) -> None:
+    # The scoring a loglikelihood evaluation asks of a completion with echo and logprobs: the last prompt token's.
+    scores = {}
+    for city in (" Paris", " Madrid"):
+        prompt = smollm2.render_text("The capital of France is" + city)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        chunks = [chunk async for chunk in smollm2.generate(prompt, [], params)]
+        entries = chunks[0].prompt_logprobs
+        assert [entry.token for entry in entries] == [smollm2._token_text(token) for token in prompt]
+        scores[city] = entries[-1].logprob
+    assert scores[" Paris"] is not None and scores[" Madrid"] is not None
+    assert scores[" Paris"] > math.log(0.3) > scores[" Madrid"]
 
 
 @pytest.mark.skipif(

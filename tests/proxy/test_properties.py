@@ -136,7 +136,7 @@ completion_bodies = bodies(
     {"model": st.just(MODEL), "prompt": st.one_of(prompt, st.lists(prompt, min_size=1, max_size=1))},
     {
         **generation_fields,
-        "echo": st.just(False),
+        "echo": st.booleans(),
         "suffix": st.none(),
         "best_of": st.just(1),
         "logprobs": st.integers(0, 5),

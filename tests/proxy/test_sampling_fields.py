@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import openai
+import pytest
 from aiohttp.test_utils import TestClient
 from transformers import PreTrainedTokenizerFast
 
@@ -98,3 +99,45 @@ async def test_penalties_change_only_their_own_request_in_a_shared_step(serve: S
     plain, penalized = ([entry.token for entry in answer.choices[0].logprobs.content] for answer in together)  # type: ignore[union-attr]
     assert plain == tokens  # the penalized neighbour in its steps changed nothing here
     assert penalized != tokens
+
+
+async def test_echo_puts_the_prompt_before_the_answer_and_with_logprobs_its_tokens_log_probabilities(
+    serve: Serve, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    client = client_of(await serve())
+    fields: dict[str, Any] = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 5, "temperature": 0}
+    plain = await client.completions.create(**fields, logprobs=2)  # also caches the prompt
+    echoed = await client.completions.create(**fields, echo=True)
+    assert echoed.choices[0].text == SYSTEM + plain.choices[0].text
+    assert echoed.choices[0].logprobs is None  # none asked for: the prompt is not scored
+
+    scored = await client.completions.create(**fields, echo=True, logprobs=2)
+    usage = scored.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 0  # the whole prompt computed, though it was cached
+    columns, answer = scored.choices[0].logprobs, plain.choices[0].logprobs
+    assert columns is not None and answer is not None and columns.tokens is not None and answer.tokens is not None
+    prompt = len(tokenizer(SYSTEM)["input_ids"])
+    assert usage.prompt_tokens == prompt and len(columns.tokens) == prompt + 5
+    assert scored.choices[0].text == SYSTEM + plain.choices[0].text
+    assert "".join(columns.tokens[:prompt]) == SYSTEM  # the prompt's tokens, then the answer's
+    assert columns.tokens[prompt:] == answer.tokens
+    assert columns.token_logprobs is not None and columns.top_logprobs is not None
+    assert columns.token_logprobs[0] is None and columns.top_logprobs[0] is None  # nothing before the first token
+    for logprob, top in zip(columns.token_logprobs[1:prompt], columns.top_logprobs[1:prompt], strict=True):
+        assert logprob is not None and logprob <= 0 < len(top) <= 2 and logprob <= max(top.values())  # by text
+    assert columns.token_logprobs[prompt:] == pytest.approx(answer.token_logprobs, abs=1e-4)
+    assert columns.text_offset is not None and columns.text_offset[prompt] == len(SYSTEM)
+
+    # Streamed: the first chunk carries the prompt and its columns, the text_offsets going on from them.
+    stream = await client.completions.create(**fields, echo=True, logprobs=2, stream=True)
+    chunks = [chunk.choices[0] async for chunk in stream if chunk.choices]
+    assert "".join(choice.text for choice in chunks) == scored.choices[0].text
+    assert chunks[0].text.startswith(SYSTEM)
+    offsets = [offset for choice in chunks if choice.logprobs for offset in choice.logprobs.text_offset or ()]
+    assert offsets == columns.text_offset
+
+    # Token ids echo as the tokenizer decodes them.
+    ids = tokenizer("The capital of France is")["input_ids"]
+    by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))

@@ -144,6 +144,8 @@ class TopLogprob:
     token: str
     logprob: float
     bytes: tuple[int, ...] | None  # the token's UTF-8 bytes (a token may hold part of a character)
+    token_id: int | None = None  # where the model's vocabulary is known here (a local model)
+    rank: int | None = None  # its place among the vocabulary's log probabilities, from 1 (a local model's prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,8 @@ class TokenLogprob:
     logprob: float | None  # None only for a prompt's first token, which has nothing before it
     bytes: tuple[int, ...] | None
     top: tuple[TopLogprob, ...] = ()
+    token_id: int | None = None  # as in TopLogprob
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,22 +71,24 @@ class Sampler:
         return entry
 
     def logprobs(self, logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-        """Return the log probability of each of `tokens` under its row of `logits` (`[rows, vocab]`), with the `top`
-        most likely tokens of the row."""
+        """Return the log probability of each of `tokens` under its row of `logits` (`[rows, vocab]`), and its rank
+        (1 + the tokens more likely), with the `top` most likely tokens of the row (ranked 1 to `top`)."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # logprobs: [rows, vocab]
-        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
+        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1))  # chosen: [rows, 1]
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
         values, ids = torch.topk(logprobs, top) if top else (logprobs[:, :0], logprobs[:, :0].long())
         entries = []
-        for token, logprob, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True):
-            best = tuple(self._entry(i, v) for i, v in zip(row_ids, row_values, strict=True))
-            entry = self._entry(token, logprob)
-            entries.append(TokenLogprob(entry.token, entry.logprob, entry.bytes, best))
+        rows = zip(tokens, chosen.squeeze(-1).tolist(), ranks, ids.tolist(), values.tolist(), strict=True)
+        for token, logprob, rank, row_ids, row_values in rows:
+            best = tuple(self._entry(i, v, r) for r, (i, v) in enumerate(zip(row_ids, row_values, strict=True), 1))
+            entry = self._entry(token, logprob, rank)
+            entries.append(TokenLogprob(entry.token, entry.logprob, entry.bytes, best, token, rank))
         return entries
 
     def unscored(self, token: int) -> TokenLogprob:
         """Return the entry of a token that has no log probability: a prompt's first, with nothing before it."""
         entry = self._entry(token, 0.0)
-        return TokenLogprob(entry.token, None, entry.bytes)
+        return TokenLogprob(entry.token, None, entry.bytes, token_id=token)
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         params = self._params
@@ -138,9 +140,9 @@ class Sampler:
         chosen = int(torch.searchsorted(total, draw))
         return chosen if tokens is None else int(tokens[chosen])
 
-    def _entry(self, token: int, logprob: float) -> TopLogprob:
+    def _entry(self, token: int, logprob: float, rank: int | None = None) -> TopLogprob:
         text = self._token_text(token)
-        return TopLogprob(text, logprob, tuple(text.encode("utf-8", errors="replace")))
+        return TopLogprob(text, logprob, tuple(text.encode("utf-8", errors="replace")), token, rank)
 
 
 def _argmax(logits: torch.Tensor) -> int:

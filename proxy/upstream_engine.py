@@ -133,9 +133,8 @@ class UpstreamEngine:
         started = time.perf_counter()
         if request.params.prompt_logprobs is not None:
             raise RequestError(
-                "the prompt's log probabilities (echo with logprobs) come from a local model only; in front of "
-                "upstreams leave out logprobs or echo",
-                param="echo",
+                "the prompt's log probabilities (prompt_logprobs, or echo with logprobs) come from a local model "
+                "only; in front of upstreams leave them out"
             )
         forward = await asyncio.to_thread(self._prepare, request)
         try:

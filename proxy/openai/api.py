@@ -10,7 +10,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prefixgate.backends import SamplingParams, TokenChunk, TokenLogprob, ToolCallDelta
+from prefixgate.backends import SamplingParams, TokenChunk, TokenLogprob, ToolCallDelta, TopLogprob
 from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import Answer
 from prefixgate.proxy.engine import Breakpoint, PromptRequest, Usage
@@ -153,6 +153,8 @@ class _Generation(Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)  # extensions vLLM and SGLang accept
     ignore_eos: bool = False
+    # vLLM's: each prompt token's log probability with this many alternatives, answered whole (the prompt computed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None  # it does not change the answer; before upstreams, a routing hint
     prompt_cache_key: str | None = None  # prefixes are found by content; before upstreams, a routing hint
     # "24h" keeps the prompt's blocks at least a day; "in_memory" (or none) leaves them to the tiers' policies.
@@ -207,6 +209,11 @@ class _Generation(Strict):
                 'stream_options is only allowed when stream is true; set "stream": true or leave it out',
                 param="stream_options",
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError(
+                "prompt_logprobs comes with a whole answer; leave out stream or prompt_logprobs",
+                param="prompt_logprobs",
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
@@ -220,6 +227,7 @@ class _Generation(Strict):
             logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
         )
@@ -352,8 +360,8 @@ class CompletionRequest(_Generation):
         params = self.sampling_params(
             self.max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
         )
-        if self.echo and self.logprobs is not None:
-            params = replace(params, prompt_logprobs=self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's columns: as many alternatives as either field asks
+            params = replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return PromptRequest(
             params=params,
             prompt=prompt,
@@ -528,6 +536,21 @@ def text_chunk(
         "model": model,
         "choices": [_text_choice(index, text, finish_reason, stop_reason, logprobs, offset)],
     }
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprob], top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """Return vLLM's `prompt_logprobs`: for each prompt token after the first (None), its log probability, rank and
+    text, and `top` alternatives, by token id."""
+    scored: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries[1:]:
+        alternatives: list[TopLogprob | TokenLogprob] = [*entry.top[:top], entry]
+        scored.append(
+            {
+                str(each.token_id): {"logprob": each.logprob, "rank": each.rank, "decoded_token": each.token}
+                for each in alternatives
+            }
+        )
+    return scored
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:

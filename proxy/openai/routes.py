@@ -48,20 +48,27 @@ async def _generate(
 ) -> web.StreamResponse:
     param = "messages" if chat else "prompt"
     echo = await _echo(request, body) if isinstance(body, api.CompletionRequest) else None
+    top = body.logprobs if isinstance(body, api.CompletionRequest) else None  # an echoed prompt's alternatives
     choices = await start(request, body.model, await prompt_request(request, body), prompt_param=param, n=body.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # From the response's first byte on: a client that leaves as it is prepared still stops the generation.
         async with choices:
-            return await _stream(request, choices, body.model, include_usage, chat=chat, echo=echo)
+            return await _stream(request, choices, body.model, include_usage, chat=chat, echo=echo, top=top)
     chunks: list[list[TokenChunk]] = [[] for _ in choices.generations]
     async with choices:
-        async for index, chunk in _chunks(choices, echo):
+        async for index, chunk in _chunks(choices, echo, top):
             chunks[index].append(chunk)
     render = api.chat_completion if chat else api.text_completion
     answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
     first = choices.first
     payload = render(first.request_id, body.model, answers, choices.usage(), first.system_fingerprint)
+    if body.prompt_logprobs is not None:  # vLLM's: the chat answer's, as one field; each text choice's own
+        scored = [api.prompt_logprobs(each[0].prompt_logprobs, body.prompt_logprobs) for each in chunks]
+        if chat:
+            payload["prompt_logprobs"] = scored[0]
+        for choice, each in zip(payload["choices"], scored, strict=True):
+            choice["prompt_logprobs"] = None if chat else each
     return web.json_response(payload, headers=answer_headers(first))
 
 
@@ -83,22 +90,32 @@ async def _echo(request: web.Request, body: api.CompletionRequest) -> str | None
     return await asyncio.to_thread(engine.backend.decode, prompt, skip_special_tokens=False)
 
 
-async def _chunks(choices: Choices, echo: str | None) -> AsyncIterator[tuple[int, TokenChunk]]:
+async def _chunks(choices: Choices, echo: str | None, top: int | None) -> AsyncIterator[tuple[int, TokenChunk]]:
     """Each choice's chunks, by its index; with `echo`, each choice's first carries the prompt before its text, and
-    the prompt's tokens' log probabilities (where they were asked for) before its own."""
+    with the answer's log probabilities (`top` alternatives) the prompt's tokens' before its own."""
     echoed: set[int] = set()
     async for index, chunk in choices.chunks():
         if echo is not None and index not in echoed:
             echoed.add(index)
-            chunk = replace(chunk, text=echo + chunk.text, logprobs=chunk.prompt_logprobs + chunk.logprobs)
+            scored = (
+                tuple(replace(entry, top=entry.top[:top]) for entry in chunk.prompt_logprobs) if top is not None else ()
+            )
+            chunk = replace(chunk, text=echo + chunk.text, logprobs=scored + chunk.logprobs)
         yield index, chunk
 
 
 async def _stream(
-    request: web.Request, choices: Choices, model: str, include_usage: bool, *, chat: bool, echo: str | None = None
+    request: web.Request,
+    choices: Choices,
+    model: str,
+    include_usage: bool,
+    *,
+    chat: bool,
+    echo: str | None = None,
+    top: int | None = None,
 ) -> web.StreamResponse:
     """Send the choices as server-sent events, exactly as OpenAI does, each chunk one choice's (by its index) as it
-    comes; the caller closes the choices."""
+    comes (an echoed prompt first, its `top` alternatives as in `_chunks`); the caller closes the choices."""
     response = await open_stream(request, choices.first)
     created = int(time.time())
     first = choices.first
@@ -134,7 +151,7 @@ async def _stream(
         if chat:
             for index in range(len(choices.generations)):
                 await send_data(response, chunk(index, None, role=True))
-        async for index, token in _chunks(choices, echo):
+        async for index, token in _chunks(choices, echo, top):
             if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
                 await send_data(response, chunk(index, token))
             if token.finish_reason is not None:  # the choice's last chunk

@@ -277,6 +277,8 @@ async def test_a_prompts_log_probabilities_are_those_of_a_full_forward_pass(
     expected = torch.log_softmax(reference_logits(llama, prompt), dim=-1)  # expected: [tokens, vocab]
     for position, entry in enumerate(scored[1:], start=1):
         assert entry.logprob == pytest.approx(float(expected[position - 1, prompt[position]]), abs=1e-4)
+        row = expected[position - 1]
+        assert (entry.token_id, entry.rank) == (prompt[position], int((row > row[prompt[position]]).sum()) + 1)
         best = torch.topk(expected[position - 1], 2)
         assert [top.logprob for top in entry.top] == pytest.approx(best.values.tolist(), abs=1e-4)
         assert [top.token for top in entry.top] == [backend._token_text(int(t)) for t in best.indices]

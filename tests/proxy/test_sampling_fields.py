@@ -141,3 +141,32 @@ async def test_echo_puts_the_prompt_before_the_answer_and_with_logprobs_its_toke
     ids = tokenizer("The capital of France is")["input_ids"]
     by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
     assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+
+
+async def test_prompt_logprobs_give_vllms_ranked_entries_by_token_id_for_both_apis(
+    serve: Serve, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    client = client_of(await serve())
+    fields: dict[str, Any] = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 3, "temperature": 0}
+    echoed = await client.completions.create(**fields, echo=True, logprobs=1)
+    text = await client.completions.create(**fields, extra_body={"prompt_logprobs": 2})
+    scored = (text.choices[0].model_extra or {})["prompt_logprobs"]
+    ids = tokenizer(SYSTEM)["input_ids"]
+    assert len(scored) == len(ids) and scored[0] is None  # nothing before the first token
+    columns = echoed.choices[0].logprobs
+    assert columns is not None and columns.token_logprobs is not None
+    for position, entries in enumerate(scored[1:], start=1):
+        own = entries[str(ids[position])]  # the prompt's token, with its rank among the vocabulary
+        assert own["logprob"] == pytest.approx(columns.token_logprobs[position], abs=1e-4)
+        assert own["rank"] >= 1 and own["decoded_token"] == tokenizer.decode([ids[position]])
+        ranked = sorted(entry["rank"] for entry in entries.values())
+        assert ranked[:2] == [1, 2] and len(entries) in (2, 3)  # the 2 alternatives, and the token where it is not one
+
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    whole = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat.usage is not None and len(whole) == chat.usage.prompt_tokens and whole[0] is None
+    assert all(len(entries) == 1 for entries in whole[1:])  # the token alone
+    with pytest.raises(openai.BadRequestError, match="leave out stream or prompt_logprobs"):
+        await client.completions.create(**fields, stream=True, extra_body={"prompt_logprobs": 1})

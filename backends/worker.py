@@ -189,6 +189,9 @@ class Worker:
 
     def _step(self, plan: list[Scheduled]) -> None:
         started = self._clock()
+        # A step that gives every position's logits of a prompt (its log probabilities) pays for them over the whole
+        # vocabulary: it says little of what steps cost, and the scheduler's measures leave it out.
+        scored = any(item.seq.every_logit for item in plan)
         try:
             with torch.inference_mode():
                 logits = self._forward(plan)  # logits: [rows, vocab], a row a sequence or one a token fed (see rows)
@@ -214,7 +217,8 @@ class Worker:
                 continue
             work.append(Work(item.seq.seq_id, kind, item.tokens))
         seconds = self._clock() - started
-        self._scheduler.costs.observe(plan, seconds)
+        if not scored:
+            self._scheduler.costs.observe(plan, seconds)
         if self._on_step is not None:
             try:
                 self._on_step(StepRecord(tuple(work), started, seconds))

@@ -288,6 +288,15 @@ async def test_a_prompts_log_probabilities_are_those_of_a_full_forward_pass(
     ).token_ids
 
 
+async def test_steps_that_score_a_prompt_are_left_out_of_the_schedulers_measures(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    costs = backend._worker._scheduler.costs
+    await collect(backend, make_prompt(37), params=replace(GREEDY, max_tokens=1, prompt_logprobs=0))
+    assert costs.seconds_per_unit is None  # its prompt's every position's logits: not what a prompt costs
+    await collect(backend, make_prompt(37, offset=5), params=replace(GREEDY, max_tokens=1))
+    assert costs.seconds_per_unit is not None
+
+
 async def test_a_request_for_its_prompts_log_probabilities_takes_no_cached_prefix(make_backend: BackendFactory) -> None:
     prompt, blocks = await prefilled_blocks(make_backend, 45)
     with pytest.raises(RuntimeError, match="starts from no cached prefix"):

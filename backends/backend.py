@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -179,6 +179,15 @@ class TokenChunk:
     # On the first chunk, where asked for (`SamplingParams.prompt_logprobs`): each prompt token's log probability given
     # the tokens before it (the first's None)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str = "prompt") -> None:
+    """Raise RequestError, naming the body's field `param`, unless every id is in a vocabulary of `vocab_size`."""
+    outside = next((token for token in token_ids if not 0 <= token < vocab_size), None)
+    if outside is not None:
+        raise RequestError(
+            f"token {outside} is outside this model's vocabulary: ids run from 0 to {vocab_size - 1}", param=param
+        )
 
 
 def check_context(context_length: int, prompt_tokens: int, max_tokens: int = 0) -> None:

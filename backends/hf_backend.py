@@ -22,7 +22,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from prefixgate.backends import cpu_attention, packed_linear, sequence
 from prefixgate.backends.admission import Admission, AdmissionStats
-from prefixgate.backends.backend import BlockCallback, KVGeometry, SamplingParams, TokenChunk, check_context
+from prefixgate.backends.backend import (
+    BlockCallback,
+    KVGeometry,
+    SamplingParams,
+    TokenChunk,
+    check_context,
+    check_token_ids,
+)
 from prefixgate.backends.fingerprint import model_fingerprint, tokenizer_hash
 from prefixgate.backends.grammar import Grammars
 from prefixgate.backends.handoff import LoopHandoff
@@ -378,13 +385,7 @@ class HFBackend:
     ) -> AsyncGenerator[TokenChunk, None]:
         """Check the request now, then stream its tokens; work starts with iteration, stops on aclose()."""
         try:
-            outside = [token for token, _ in params.logit_bias if not 0 <= token < self.vocab_size]
-            if outside:
-                raise RequestError(
-                    f"logit_bias names token {outside[0]}, outside this model's vocabulary of {self.vocab_size} "
-                    f"tokens (ids 0 to {self.vocab_size - 1})",
-                    param="logit_bias",
-                )
+            check_token_ids((token for token, _ in params.logit_bias), self.vocab_size, param="logit_bias")
             shared = reservation.offset if reservation is not None else 0
             if params.prompt_logprobs is not None and (cached_blocks or shared):
                 # the cached prefix has no logits: its tokens' log probabilities need it computed
@@ -523,11 +524,7 @@ class HFBackend:
         prompt = [int(t) for t in token_ids]
         if not prompt:
             raise RequestError("the prompt is empty; send at least one token", param="prompt")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise RequestError(
-                f"token ids must be between 0 and {self.vocab_size - 1} for model {self.model_id!r}",
-                param="prompt",
-            )
+        check_token_ids(prompt, self.vocab_size)
         check_context(self.context_length, len(prompt), max_tokens)
         if cached_blocks and not self.prefix_reuse:
             raise UnsupportedModelError(f"model {self.model_id!r} cannot reuse KV blocks: {self.reuse_refusal}")

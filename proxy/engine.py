@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from prefixgate.backends import Backend, BlockCallback, KVReservation, PrefixStart, SamplingParams, TokenChunk
-from prefixgate.backends.backend import check_context
+from prefixgate.backends.backend import check_context, check_token_ids
 from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
     DEFAULT_RULES,
@@ -412,9 +412,7 @@ class Engine:
             token_ids = self.backend.render_chat(messages, tools=tools, template_kwargs=request.template_kwargs)
         elif isinstance(request.prompt, tuple):
             token_ids = list(request.prompt)
-            vocabulary = self.backend.vocab_size
-            if not all(0 <= token < vocabulary for token in token_ids):
-                raise RequestError(f"token ids must be between 0 and {vocabulary - 1} for this model", param="prompt")
+            check_token_ids(token_ids, self.backend.vocab_size)
         else:
             assert request.prompt is not None
             token_ids = self.backend.render_text(canonicalize_text(request.prompt, self._rules))

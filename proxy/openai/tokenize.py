@@ -10,6 +10,7 @@ from aiohttp import web
 from pydantic import Field
 
 from prefixgate.backends import Backend
+from prefixgate.backends.backend import check_token_ids
 from prefixgate.errors import RequestError
 from prefixgate.proxy.body import parsed
 from prefixgate.proxy.engine import Engine, PromptRequest
@@ -72,12 +73,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 def _decode(backend: Backend, tokens: list[int]) -> str:
-    outside = next((token for token in tokens if not 0 <= token < backend.vocab_size), None)
-    if outside is not None:
-        raise RequestError(
-            f"token {outside} is outside this model's vocabulary: ids run from 0 to {backend.vocab_size - 1}",
-            param="tokens",
-        )
+    check_token_ids(tokens, backend.vocab_size, param="tokens")
     return backend.decode(tokens, skip_special_tokens=False)
 
 

@@ -48,7 +48,7 @@ def test_requests_it_cannot_serve_fail_before_any_compute(
         (make_prompt(513), GREEDY, ContextLengthError, "prompt", "512 tokens"),
         (make_prompt(500), SamplingParams(max_tokens=13), ContextLengthError, "max_tokens", "at most 12"),
         ([], GREEDY, RequestError, "prompt", "empty"),
-        ([5, 10_000], GREEDY, RequestError, "prompt", "between 0 and"),
+        ([5, 10_000], GREEDY, RequestError, "prompt", "ids run from 0 to"),
     ]
     for prompt, params, error, param, message in cases:
         with pytest.raises(error, match=message) as caught:

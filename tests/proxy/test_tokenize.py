@@ -73,7 +73,7 @@ async def test_a_completion_of_token_ids_answers_as_one_of_their_text_and_shares
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "outside this model's vocabulary"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens", "ids run from 0"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0", "integer"),
-        ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "between 0 and"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "outside this model's vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1], [2]]}, 400, "prompt", "one prompt per request"),
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "must not be empty"),
     ],

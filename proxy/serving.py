@@ -4,6 +4,7 @@ headers of their answers, server-sent events and the relay of a stream's chunks,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -149,9 +150,11 @@ async def send_event(response: web.StreamResponse, name: str, body: dict[str, An
     await response.write(f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
 
-async def send_data(response: web.StreamResponse, body: dict[str, Any]) -> None:
-    """Send an unnamed event (the chat and text completions streams)."""
-    await response.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
+async def send_data(response: web.StreamResponse, body: dict[str, Any], *, off_loop: bool = False) -> None:
+    """Send an unnamed event (the chat and text completions streams); a large one written out `off_loop`."""
+    dumps = functools.partial(json.dumps, body, ensure_ascii=False)
+    text = await asyncio.to_thread(dumps) if off_loop else dumps()
+    await response.write(f"data: {text}\n\n".encode())
 
 
 async def relay(

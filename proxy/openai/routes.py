@@ -4,6 +4,8 @@ answered whole or streamed as OpenAI's chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from prefixgate.backends import TokenChunk
+from prefixgate.backends import TokenChunk, TokenLogprob
 from prefixgate.errors import RequestError
 from prefixgate.proxy.answer import assemble
 from prefixgate.proxy.body import parsed
@@ -31,6 +33,7 @@ from prefixgate.proxy.serving import (
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 
 log = logging.getLogger(__name__)
+_MANY_LOGPROBS = 256  # a chunk with more log probabilities (an echoed prompt's) is made and written out off the loop
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -59,17 +62,35 @@ async def _generate(
     async with choices:
         async for index, chunk in _chunks(choices, echo, top):
             chunks[index].append(chunk)
+    first = choices.first
+    rendering = functools.partial(_rendered, body, chunks, choices, chat=chat)
+    # An answer with its prompt's log probabilities holds up to 21 entries a prompt token (an 8k prompt's took 0.23 s
+    # to render): it is rendered off the loop.
+    scored = body.prompt_logprobs is not None or (echo is not None and top is not None)
+    text = await asyncio.to_thread(rendering) if scored else rendering()
+    return web.Response(text=text, content_type="application/json", headers=answer_headers(first))
+
+
+def _rendered(
+    body: api.ChatCompletionRequest | api.CompletionRequest,
+    chunks: list[list[TokenChunk]],
+    choices: Choices,
+    *,
+    chat: bool,
+) -> str:
+    """Return a whole answer's JSON: each choice's chunks, and vLLM's `prompt_logprobs` where asked for (the chat
+    answer's beside its choices, each text choice's in it)."""
     render = api.chat_completion if chat else api.text_completion
     answers = [(assemble(each), g.finish_reason or "stop") for each, g in zip(chunks, choices.generations, strict=True)]
     first = choices.first
     payload = render(first.request_id, body.model, answers, choices.usage(), first.system_fingerprint)
-    if body.prompt_logprobs is not None:  # vLLM's: the chat answer's, as one field; each text choice's own
+    if body.prompt_logprobs is not None:
         scored = [api.prompt_logprobs(each[0].prompt_logprobs, body.prompt_logprobs) for each in chunks]
         if chat:
             payload["prompt_logprobs"] = scored[0]
         for choice, each in zip(payload["choices"], scored, strict=True):
             choice["prompt_logprobs"] = None if chat else each
-    return web.json_response(payload, headers=answer_headers(first))
+    return json.dumps(payload)
 
 
 async def _echo(request: web.Request, body: api.CompletionRequest) -> str | None:
@@ -97,9 +118,11 @@ async def _chunks(choices: Choices, echo: str | None, top: int | None) -> AsyncI
     async for index, chunk in choices.chunks():
         if echo is not None and index not in echoed:
             echoed.add(index)
-            scored = (
-                tuple(replace(entry, top=entry.top[:top]) for entry in chunk.prompt_logprobs) if top is not None else ()
-            )
+            scored: tuple[TokenLogprob, ...] = ()
+            if top is not None:
+                scored = chunk.prompt_logprobs
+                if len(scored) > 1 and len(scored[1].top) > top:  # vLLM's prompt_logprobs asked for more alternatives
+                    scored = tuple(replace(entry, top=entry.top[:top]) for entry in scored)
             chunk = replace(chunk, text=echo + chunk.text, logprobs=scored + chunk.logprobs)
         yield index, chunk
 
@@ -152,7 +175,9 @@ async def _stream(
             for index in range(len(choices.generations)):
                 await send_data(response, chunk(index, None, role=True))
         async for index, token in _chunks(choices, echo, top):
-            if token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
+            if len(token.logprobs) > _MANY_LOGPROBS:  # an echoed prompt's: made and written out off the loop
+                await send_data(response, await asyncio.to_thread(chunk, index, token), off_loop=True)
+            elif token.text or token.reasoning or token.refusal or token.tool_calls or token.logprobs:
                 await send_data(response, chunk(index, token))
             if token.finish_reason is not None:  # the choice's last chunk
                 await send_data(response, chunk(index, None, token.finish_reason, token.stop_sequence))

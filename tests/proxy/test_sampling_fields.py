@@ -137,6 +137,16 @@ async def test_echo_puts_the_prompt_before_the_answer_and_with_logprobs_its_toke
     offsets = [offset for choice in chunks if choice.logprobs for offset in choice.logprobs.text_offset or ()]
     assert offsets == columns.text_offset
 
+    # A long prompt's columns (more than 256 entries) are made and written out off the loop: the same answer.
+    long = {**fields, "prompt": SYSTEM * 4, "echo": True, "logprobs": 1}
+    whole = await client.completions.create(**long)
+    assert whole.usage is not None and whole.usage.prompt_tokens > 256
+    pieces = [chunk.choices[0] async for chunk in await client.completions.create(**long, stream=True) if chunk.choices]
+    assert "".join(piece.text for piece in pieces) == whole.choices[0].text
+    assert [o for piece in pieces if piece.logprobs for o in piece.logprobs.text_offset or ()] == (
+        whole.choices[0].logprobs and whole.choices[0].logprobs.text_offset
+    )
+
     # Token ids echo as the tokenizer decodes them.
     ids = tokenizer("The capital of France is")["input_ids"]
     by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)

@@ -5,7 +5,8 @@ prompt. The first computes the prompt, and files its partial last block with the
 the others start then, and compute only the prompt's last token, whose logits each samples its own first token from:
 on a local model they read the prompt's whole blocks in place and attend to them once a step for all (README, "Many
 streams on one prefix"); an upstream finds the prompt in its own cache. With a seed, choice i is seeded as a request
-with seed + i would be, as vLLM seeds them.
+with seed + i would be, as vLLM seeds them. The statistics count the request once, with the first choice's prompt and
+cached tokens, and every choice's completion tokens.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ class Choices:
 
 def _choice(request: PromptRequest, index: int) -> PromptRequest:
     seed = request.params.seed
-    if index == 0 or seed is None:
-        return request
+    if seed is None:
+        return replace(request, choice=index)
     shifted = seed + index if seed + index < _SEEDS else seed + index - _SEEDS
-    return replace(request, params=replace(request.params, seed=shifted))
+    return replace(request, params=replace(request.params, seed=shifted), choice=index)
 
 
 async def _generate(engine: AnyEngine, request: PromptRequest) -> AnyGeneration:

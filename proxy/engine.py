@@ -103,6 +103,9 @@ class PromptRequest:
     # enable_thinking, say): it renders another prompt, so it is keyed apart by its tokens.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     prompt_tail: bool = False  # file the prompt's partial last block before the first token (for choices to follow)
+    # Which of a request's choices (OpenAI's `n`) this is: only the first counts in the statistics as a request, with
+    # its prompt and cached tokens (the others' prompt is its own); every choice counts its completion tokens.
+    choice: int = 0
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -312,7 +315,7 @@ class Engine:
         try:
             # The blocks are the request's cache now: keep only where they came from.
             generation = Generation(
-                self, request_id, prepared, replace(hit, blocks=()), stream, owned, started, readers
+                self, request_id, prepared, replace(hit, blocks=()), stream, owned, started, readers, request.choice
             )
             await generation.start()
         except BaseException as error:
@@ -622,6 +625,7 @@ class Generation:
         owned: list[BlockKey],
         started: float,
         readers: Sequence[Callable[[TokenChunk], TokenChunk]] = (),
+        choice: int = 0,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -638,6 +642,7 @@ class Generation:
         self._started = started
         self._first: TokenChunk | None = None
         self._readers = readers  # what splits the answer's text as it streams: its reasoning, then its tool calls
+        self._choice = choice
         self._closed = False
 
     @property
@@ -662,6 +667,8 @@ class Generation:
         self._first = await anext(self._stream)
         self.time_to_first_token = time.perf_counter() - self._started
         self.saved_seconds = self.engine.backend.prefill_seconds(self.hit.cached_tokens)
+        if self._choice:  # a request's further choice: the request is counted with its first
+            return
         self.engine.stats.count_request(
             self.prompt_tokens,
             self.hit.tokens_by_tier,

@@ -146,7 +146,7 @@ class UpstreamEngine:
             if error.retryable:
                 self.stats.count_error()
             raise
-        return UpstreamGeneration(self, f"pg-{uuid.uuid4().hex[:24]}", forward, stream, started)
+        return UpstreamGeneration(self, f"pg-{uuid.uuid4().hex[:24]}", forward, stream, started, request.choice)
 
     async def explain(self, request: PromptRequest) -> RouteExplanation:
         """Dry-run a request: how it is laid out, which upstream it would go to now, and why. Nothing is sent."""
@@ -230,7 +230,13 @@ class UpstreamGeneration:
     """The answer to one request from its upstream, chunk by chunk, with what is known of it so far."""
 
     def __init__(
-        self, engine: UpstreamEngine, request_id: str, forward: Forward, stream: UpstreamStream, started: float
+        self,
+        engine: UpstreamEngine,
+        request_id: str,
+        forward: Forward,
+        stream: UpstreamStream,
+        started: float,
+        choice: int = 0,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -245,6 +251,7 @@ class UpstreamGeneration:
         self._stream = stream
         self._started = started
         self._chunks = 0
+        self._choice = choice  # a request's further choice counts only its completion (PromptRequest.choice)
         self._closed = False
 
     @property
@@ -293,9 +300,10 @@ class UpstreamGeneration:
         upstream.cached_tokens += usage.cached_tokens
         stats = self.engine.stats
         assert self.time_to_first_token is not None
-        stats.count_request(
-            usage.prompt_tokens, usage.cached_tokens_by_tier, self.time_to_first_token, tenant=self._forward.tenant
-        )
+        if not self._choice:
+            stats.count_request(
+                usage.prompt_tokens, usage.cached_tokens_by_tier, self.time_to_first_token, tenant=self._forward.tenant
+            )
         stats.count_completion(usage.completion_tokens)
 
     async def __aenter__(self) -> UpstreamGeneration:

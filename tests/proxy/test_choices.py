@@ -35,6 +35,10 @@ async def test_n_choices_compute_the_prompt_once_and_each_samples_as_a_request_w
     # The prompt once; each other choice then finds all of it cached but the last token, whose logits it samples.
     assert sum(step.tokens("prefill") for step in steps) == usage["prompt_tokens"] + 2
     assert usage["prompt_tokens"] % BLOCK_SIZE > 1  # a partial last block, which the other choices reuse
+    # The statistics count one request: its prompt once, uncached as its usage says, and every choice's tokens.
+    stats = engine_of(client).stats.snapshot()
+    assert (stats.requests, stats.prompt_tokens, stats.completion_tokens) == (1, usage["prompt_tokens"], 3 * 8)
+    assert sum(stats.cached_tokens.values()) == 0 and stats.tenants[""].requests == 1
     contents = [choice["message"]["content"] for choice in answer["choices"]]
     assert len(set(contents)) == 3  # three seeds, three answers of 8 sampled tokens
     for index, content in enumerate(contents):

@@ -299,6 +299,11 @@ async def test_n_choices_are_one_request_each_on_the_upstream_that_holds_the_pre
     assert answer.usage.prompt_tokens == alone.usage.prompt_tokens
     served = {url: state["requests"] for url, state in (await per_upstream(client)).items()}
     assert sorted(served.values()) == [0, 4]  # routed by the prefix, all four to the upstream that holds it
+    # The statistics count two requests (each choice's prompt is the first's), and every choice's tokens.
+    metrics = await scrape(client)
+    assert sample(metrics, "prefixgate_requests_total") == 2
+    assert sample(metrics, "prefixgate_prompt_tokens_total") == 2 * alone.usage.prompt_tokens
+    assert sample(metrics, "prefixgate_generation_tokens_total") == 4 * alone.usage.completion_tokens
 
 
 async def test_the_upstreams_must_answer_and_serve_the_model_at_start(front: Front, upstreams: list[str]) -> None:

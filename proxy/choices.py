@@ -6,7 +6,9 @@ the others start then, and compute only the prompt's last token, whose logits ea
 on a local model they read the prompt's whole blocks in place and attend to them once a step for all (README, "Many
 streams on one prefix"); an upstream finds the prompt in its own cache. With a seed, choice i is seeded as a request
 with seed + i would be, as vLLM seeds them. The statistics count the request once, with the first choice's prompt and
-cached tokens, and every choice's completion tokens.
+cached tokens, and every choice's completion tokens. Where the prompt's log probabilities are asked for (`echo` with
+`logprobs`, vLLM's `prompt_logprobs`), the first choice scores the prompt (it computes all of it, and files it), and
+the others read it as above and carry its entries.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
-from prefixgate.backends import TokenChunk
+from prefixgate.backends import TokenChunk, TokenLogprob
 from prefixgate.proxy.engine import Engine, Generation, PromptRequest, Usage
 from prefixgate.proxy.upstream_engine import UpstreamEngine, UpstreamGeneration
 
@@ -27,8 +29,9 @@ _SEEDS = 2**64  # seeds are 64-bit patterns: past the largest, choice i's wraps 
 class Choices:
     """The generations of one request's choices, in order; closing them stops every one."""
 
-    def __init__(self, generations: Sequence[AnyGeneration]) -> None:
+    def __init__(self, generations: Sequence[AnyGeneration], prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.generations = tuple(generations)
+        self._prompt_logprobs = prompt_logprobs  # the first choice's, which every choice's first chunk carries
         self._reading: dict[asyncio.Future[TokenChunk | None], int] = {}  # each choice's next chunk, being read
 
     @classmethod
@@ -43,8 +46,11 @@ class Choices:
         try:
             if isinstance(engine, Engine):
                 await engine.wait_for_blocks()
-            tasks = [asyncio.ensure_future(_generate(engine, _choice(request, index))) for index in range(1, n)]
-            return cls([first, *await asyncio.gather(*tasks)])
+            # The prompt's log probabilities are the first choice's: the others read its blocks instead of scoring it.
+            others = replace(request, params=replace(request.params, prompt_logprobs=None))
+            tasks = [asyncio.ensure_future(_generate(engine, _choice(others, index))) for index in range(1, n)]
+            scored = first.prompt_logprobs if isinstance(first, Generation) else ()
+            return cls([first, *await asyncio.gather(*tasks)], scored)
         except BaseException:
             for task in tasks:
                 task.cancel()
@@ -74,6 +80,7 @@ class Choices:
         reading = self._reading
         for index, generation in enumerate(self.generations):
             reading[asyncio.ensure_future(_next(generation))] = index
+        unscored = set(range(1, len(self.generations))) if self._prompt_logprobs else set()
         try:
             while reading:
                 done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
@@ -82,6 +89,9 @@ class Choices:
                     got = task.result()
                     if got is not None:
                         reading[asyncio.ensure_future(_next(self.generations[index]))] = index
+                        if index in unscored:  # its first chunk: the prompt's log probabilities, as the first's
+                            unscored.discard(index)
+                            got = replace(got, prompt_logprobs=self._prompt_logprobs)
                         yield index, got
         finally:
             await self._stop_reading()

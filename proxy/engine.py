@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-from prefixgate.backends import Backend, BlockCallback, KVReservation, PrefixStart, SamplingParams, TokenChunk
+from prefixgate.backends import (
+    Backend,
+    BlockCallback,
+    KVReservation,
+    PrefixStart,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprob,
+)
 from prefixgate.backends.backend import check_context, check_token_ids
 from prefixgate.errors import OverloadedError, RequestError
 from prefixgate.proxy.canonicalize import (
@@ -279,8 +287,9 @@ class Engine:
         # its shared part read in place where the store's top tier holds it (lent for this request when new), and
         # the request admitted for the rest of its KV memory, into which the rest of the cached prefix is fetched.
         check_context(self.backend.context_length, len(prepared.token_ids), request.params.max_tokens)
-        # A request for its prompt's log probabilities computes its whole prompt (a cached prefix has no logits), and
-        # files none of it: it neither reads nor fills the cache.
+        # A request for its prompt's log probabilities computes its whole prompt (a cached prefix has no logits): it
+        # reads nothing from the cache, and claims nothing (another request may compute the same blocks meanwhile),
+        # but files what it computes, as any request does (a request's further choices read it).
         scored = params.prompt_logprobs is not None
         held, owned = (HeldRun(0, ()), []) if scored else await self._claim(prepared)
         reservation: KVReservation | None = None
@@ -297,9 +306,7 @@ class Engine:
                 prepared.token_ids,
                 hit.kv,
                 params,
-                on_block=self._block_filer(prepared, asyncio.get_running_loop())
-                if self.backend.prefix_reuse and not scored
-                else None,
+                on_block=self._block_filer(prepared, asyncio.get_running_loop()) if self.backend.prefix_reuse else None,
                 reservation=reservation,  # the stream owns it from here, and releases it when it ends
                 prompt_tail=request.prompt_tail,
             )
@@ -637,6 +644,7 @@ class Generation:
         self.time_to_first_token: float | None = None  # seconds from the engine's start to the first token
         self.duration: float | None = None  # seconds from the engine's start to the generation's end
         self.saved_seconds: float | None = None  # prefill the cache spared, estimated at the model's recent rate
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the prompt's, where asked for: known once started
         self._stream = stream
         self._owned = owned
         self._started = started
@@ -665,6 +673,7 @@ class Generation:
     async def start(self) -> None:
         """Compute up to the first token, so errors come before any response is sent."""
         self._first = await anext(self._stream)
+        self.prompt_logprobs = self._first.prompt_logprobs
         self.time_to_first_token = time.perf_counter() - self._started
         self.saved_seconds = self.engine.backend.prefill_seconds(self.hit.cached_tokens)
         if self._choice:  # a request's further choice: the request is counted with its first

@@ -12,7 +12,7 @@ import pytest
 from prefixgate.backends import SamplingParams
 from prefixgate.proxy.choices import Choices
 from prefixgate.proxy.engine import PromptRequest
-from tests.proxy.conftest import BLOCK_SIZE, MODEL, HeldSteps, Serve, engine_of
+from tests.proxy.conftest import BLOCK_SIZE, MODEL, SYSTEM, HeldSteps, Serve, engine_of
 from tests.proxy.conftest import chat_body as chat
 from tests.proxy.test_http_api import sse_events
 from tests.proxy.test_load import until
@@ -84,6 +84,35 @@ async def test_completions_n_choices_each_count_their_text_offsets_from_their_ow
         (choice,) = json.loads(data)["choices"]
         offsets[choice["index"]] += (choice["logprobs"] or {}).get("text_offset", [])
     assert offsets[0] == offsets[1] == first["logprobs"]["text_offset"]
+
+
+async def test_choices_of_a_scored_prompt_score_it_once_and_each_carries_its_log_probabilities(
+    serve: Serve, steps: HeldSteps
+) -> None:
+    # echo with logprobs (how lm-eval scores a loglikelihood) and vLLM's prompt_logprobs: the first choice scores the
+    # prompt and files it, the second reads it but for its last token, and carries the first's entries.
+    client = await serve()
+    body = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    alone = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]
+    before = sum(step.tokens("prefill") for step in steps)
+    both = await (await client.post("/v1/completions", json=body | {"n": 2})).json()
+    prompt = both["usage"]["prompt_tokens"]
+    assert sum(step.tokens("prefill") for step in steps) - before == prompt + 1
+    for choice in both["choices"]:
+        columns, expected = choice["logprobs"], alone["logprobs"]
+        assert choice["text"] == alone["text"] and columns["tokens"] == expected["tokens"]
+        assert columns["token_logprobs"][0] is None
+        assert columns["token_logprobs"][1:] == pytest.approx(expected["token_logprobs"][1:], abs=1e-4)
+        assert [len(top) for top in columns["top_logprobs"][1:prompt]] == [
+            len(top) for top in expected["top_logprobs"][1:prompt]
+        ]
+    vllm = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    alone_scored = (await (await client.post("/v1/completions", json=vllm)).json())["choices"][0]["prompt_logprobs"]
+    answer = await (await client.post("/v1/completions", json=vllm | {"n": 3})).json()
+    for choice in answer["choices"]:
+        scored = choice["prompt_logprobs"]
+        assert len(scored) == prompt and scored[0] is None
+        assert [set(entries) for entries in scored[1:]] == [set(entries) for entries in alone_scored[1:]]
 
 
 async def test_a_request_whose_choices_cannot_all_run_is_refused_whole_and_holds_nothing(

@@ -54,9 +54,9 @@ static inline int64_t head_of(const rows_of *x, int64_t h, int64_t i) { return h
 /* The next chunk's keys and values on their way to the cache while this chunk is attended. `take_ahead` hands one
    product its share, `step` lines (64 bytes) of each, to ask for as it runs: spread so, they arrive while the products
    run, where asked for in bursts they held up the products' own loads. The float32 products ask for theirs into the
-   nearest cache one line a step; bfloat16 asks for a share at a time (`fetch_some`; on FMAs a pass of the products
-   asks for its share a line a step) into the second-level cache, where the chunk is packed or read from (the nearest
-   would not hold them beside what the block reads). */
+   nearest cache one line a step; bfloat16 into the second-level cache, where the chunk is packed or read from (the
+   nearest would not hold them beside what the block reads): on AMX a share at a time (`fetch_some`), without it each
+   pass of the products a line of each a step. */
 typedef struct {
     const char *k, *v;
     int64_t at, bytes, step;  /* bytes asked for so far, of `bytes` of each; lines a product asks for */

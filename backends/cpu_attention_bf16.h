@@ -105,13 +105,15 @@ typedef struct {
     uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
 #endif
     const uint16_t *in_place, *in_place_values;  /* the chunk's keys and values, where attend_few reads them */
+#if !AMX
+    ahead_of *ahead;  /* the next chunk's, which each pass of the products asks a share of */
+#endif
 #if ON_FMA
     float float_queries[ROWS * MAX_DIM] __attribute__((aligned(64)));      /* the block's queries as float32 */
     float float_probabilities[ROWS * KEYS] __attribute__((aligned(64)));  /* and its probabilities */
     float float_keys[MAX_DIM / 2 * 64] __attribute__((aligned(64)));      /* 32 keys as float32 (float_keys()) */
     float float_values[32 * MAX_DIM] __attribute__((aligned(64)));        /* their values (float_values()) */
     const uint16_t *chunk_k, *chunk_v;  /* the chunk's keys and values, where the products read them */
-    ahead_of *ahead;                    /* the next chunk's, which each pass of the products asks a share of */
     int64_t chunk_keys;
 #endif
 } scratch;
@@ -283,20 +285,6 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
 #else
 #define SCORE_KEYS 32
 
-#if ON_FMA
-/* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
-static inline __attribute__((always_inline)) void as_floats(__m512i pairs, __m512 floats[2]) {
-    floats[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    floats[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* `count` bfloat16 values (a multiple of 16) as float32. */
-static inline void widen(const uint16_t *from, int64_t count, float *to) {
-    for (int64_t i = 0; i < count; i += 16)
-        _mm512_store_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
-}
-
 /* A pass's share of the next chunk (take_ahead): `lines` lines of its keys and of its values, at k and v, asked for
    into the second-level cache one of each a step of the pass's loop, so that they come while its products run. */
 typedef struct {
@@ -320,6 +308,20 @@ static inline __attribute__((always_inline)) void ask_line(const share *s, int64
 /* The lines of a share that its pass's steps did not ask for, from line `from` on. */
 static inline __attribute__((always_inline)) void ask_rest(const share *s, int64_t from) {
     for (int64_t i = from; i < s->lines; i++) ask_line(s, i);
+}
+
+#if ON_FMA
+/* 16 pairs of bfloat16 as float32: the first of each pair (its low half), then the second. */
+static inline __attribute__((always_inline)) void as_floats(__m512i pairs, __m512 floats[2]) {
+    floats[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    floats[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* `count` bfloat16 values (a multiple of 16) as float32. */
+static inline void widen(const uint16_t *from, int64_t count, float *to) {
+    for (int64_t i = 0; i < count; i += 16)
+        _mm512_store_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i))), 16)));
 }
 
 /* The chunk's keys [g, g + 32) as float32, into w->float_keys: per column pair, the first column of keys g to g + 15
@@ -484,7 +486,9 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
     const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
+    const share ahead = take_share(w->ahead);
     for (int64_t pair = 0; pair < d / 2; pair++) {
+        ask_line(&ahead, pair);
         const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
         const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
         for (int r = 0; r < rows; r++) {
@@ -493,6 +497,7 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
         }
     }
+    ask_rest(&ahead, d / 2);
     for (int r = 0; r < rows; r++) {
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g, acc[r][0]);
         _mm512_store_ps(w->scores + (r0 + r) * SCORE_ROW + g + 16, acc[r][1]);
@@ -500,9 +505,8 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
 }
 
 static void scores(scratch *w, int64_t count, int64_t tiles, int64_t padded, int64_t d, ahead_of *ahead) {
-    (void)tiles;
+    (void)tiles, (void)ahead;  /* each pass asks for its share of the next chunk (w->ahead) */
     for (int64_t g = 0; g < padded; g += SCORE_KEYS) {  /* padded: a multiple of 32 */
-        fetch_some(ahead);
         int64_t r = 0;
         for (; r + 8 <= count; r += 8) score_rows(w, g, r, 8, d);
         if (count - r >= 4) {
@@ -526,7 +530,9 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const uint16_t *values = w->values + (c / 16) * blocks * 512;
     const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
+    const share ahead = take_share(w->ahead);
     for (int64_t pair = 0; pair < blocks * 16; pair++) {
+        ask_line(&ahead, pair);
         __m512bh v[4];
         for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);
         for (int r = 0; r < rows; r++) {
@@ -534,6 +540,7 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);
         }
     }
+    ask_rest(&ahead, blocks * 16);
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) _mm512_store_ps(w->out + (r0 + r) * d + c + 16 * j, acc[r][j]);
 }
@@ -549,6 +556,13 @@ static void outputs(scratch *w, int64_t count, int64_t tiles, int64_t blocks, in
         }
         if (count - r >= 1) output_rows(w, r, 1, c, blocks, d);
     }
+}
+
+/* How many passes scores() and outputs() make over `count` rows of a chunk of `blocks` runs of 32 keys: each asks for
+   a share of the next chunk. */
+static inline int64_t passes(int64_t count, int64_t blocks, int64_t d) {
+    const int64_t score_passes = count / 8 + (count % 8 >= 4) + (count % 4 >= 2) + count % 2;
+    return blocks * score_passes + d / 64 * (count / 4 + (count % 4 >= 2) + count % 2);
 }
 #endif
 #endif
@@ -806,20 +820,25 @@ static inline float exponentials(const float *row, int64_t visible, int64_t padd
 
 /* Attend grouped rows [r0, r0 + count) of KV head h (count at most ROWS) to the n packed keys, the chunk's from key
    t0 on: into w->out, w->max and w->sum (-infinity and 0 for a row that sees none of them). The next chunk is asked
-   for a share at a time, with each step of the scores and each row's exponentials: 16 decoding streams over a 7k
-   prefix (attention_bench.py's case, SmolLM2's 30 layers, 2 cores with AMX) took 14.7 ms against 17.1 when it was
-   asked for all at once as the block began (the products then waited for it). */
+   for a share at a time: on AMX with each step of the scores and each row's exponentials (16 decoding streams over a
+   7k prefix, attention_bench.py's case, SmolLM2's 30 layers, 2 cores with AMX, took 14.7 ms against 17.1 when it was
+   asked for all at once as the block began: the products then waited for it); without AMX by each pass of the
+   products, a line of each a step. On the dot products of the Zen 4 EPYC the rows' exponentials had asked for three
+   quarters of it for 8 decoding streams, and a build that left their arithmetic out took no less time: asked for
+   through the products instead, SmolLM2's 30 layers over a 4k prefix took 0.86x to 0.88x the time for 8 streams,
+   0.94x for one and 0.97x for 16 (attention_bench.py --from-memory --against, the builds in turn in one process), and
+   compiled steps on it 0.94x for 8 streams and 0.98x for one and for 16 (step_bench.py --attention-against). */
 static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count, int64_t t0, int64_t n, int64_t d,
                          float scale, scratch *w, ahead_of *ahead, const float *held) {
     const int64_t tiles = (count + 15) / 16, padded = (n + 31) / 32 * 32, blocks = padded / 32;
-    /* the shares: a step of the scores and a row's exponentials; with the keys in place, a step of the scores, a
-       block of a tile's exponentials and a block of a pass of the outputs; on FMAs, each pass of the products */
-#if ON_FMA
-    const int64_t calls = passes(count, blocks, d);
-    w->ahead = ahead;
-#else
+    /* the shares on AMX: a step of the scores and a row's exponentials; with the keys in place, a step of the scores,
+       a block of a tile's exponentials and a block of a pass of the outputs; without AMX, each pass of the products */
+#if AMX
     const int64_t calls = w->in_place ? (KEYS / 16 + (tiles + d / few_width(tiles)) * (KEYS / 32))
                                       : padded / SCORE_KEYS + count;
+#else
+    const int64_t calls = passes(count, blocks, d);
+    w->ahead = ahead;
 #endif
     ahead->step = ((ahead->bytes - ahead->at) / 64 + calls - 1) / calls;
     for (int64_t i = 0; i < count; i++) {
@@ -847,7 +866,7 @@ static void attend_block(const rows_of *x, int64_t h, int64_t r0, int64_t count,
     const float log2_scale = scale * 1.44269504088896341f;
     const __m512 factor = _mm512_set1_ps(log2_scale);
     for (int64_t r = 0; r < count; r++) {
-        if (!ON_FMA) fetch_some(ahead);
+        if (AMX) fetch_some(ahead);
         const float *row = w->scores + r * SCORE_ROW;
         uint16_t *probabilities = w->probabilities + r * KEYS;
         int64_t visible = n;  /* the keys this row sees in the chunk */

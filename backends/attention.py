@@ -80,9 +80,14 @@ class PackedBatch:
     segments: tuple[Segment, ...]
     cu_seqlens: tuple[int, ...]  # [segments + 1]: 0, len_0, len_0 + len_1, ..., total
     shared: tuple[SharedReaders, ...] = ()  # each run of shared positions once, parents before children
+    # The shared runs lie in the C kernel's order (`cpu_attention.KernelOrder`), lent by a tier laid out in it: only
+    # the kernel reads them then.
+    shared_tiled: bool = False
 
     @classmethod
-    def of(cls, segments: tuple[Segment, ...], device: torch.device | None = None) -> PackedBatch:
+    def of(
+        cls, segments: tuple[Segment, ...], device: torch.device | None = None, *, shared_tiled: bool = False
+    ) -> PackedBatch:
         """Pack segments in the order given, grouping their rows by the shared prefixes they read."""
         bounds = [0]
         readers: dict[int, tuple[torch.Tensor, list[int]]] = {}  # by the prefix tensor's identity
@@ -99,13 +104,15 @@ class PackedBatch:
             else:
                 groups.append(([kv], rows))
         shared = tuple(SharedReaders(tuple(runs), _rows(rows, device)) for runs, rows in groups)
-        return cls(segments, tuple(bounds), shared)
+        return cls(segments, tuple(bounds), shared, shared_tiled and bool(shared))
 
 
 @contextmanager
 def packed_step(batch: PackedBatch) -> Iterator[None]:
     """Run the model's attention as this packed step, on this thread, inside the block."""
     layout = _kernel_layout(batch) if cpu_attention.takes(batch.segments[0].kv) else None
+    if batch.shared_tiled and layout is None:
+        raise RuntimeError("shared prefixes in the C kernel's order, where the kernel does not attend this step")
     _step.batch = batch
     if layout is not None:
         cpu_attention.set_step(layout)
@@ -221,7 +228,7 @@ def _kernel_layout(batch: PackedBatch) -> cpu_attention.StepLayout:
         rows = shared.rows
         first, count = (rows.start, rows.stop - rows.start) if isinstance(rows, slice) else (0, len(rows))
         # A call a run, each merging into the rows what the one before left: in pieces, a prefix costs a call each.
-        runs = [cpu_attention.Part(first, count, run, run.shape[3]) for run in shared.kv]
+        runs = [cpu_attention.Part(first, count, run, run.shape[3], None, batch.shared_tiled) for run in shared.kv]
         readers.append(cpu_attention.Readers(cpu_attention.Plan(runs), None if isinstance(rows, slice) else rows))
     return cpu_attention.StepLayout(cpu_attention.Plan(parts), readers)
 

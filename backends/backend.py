@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 from prefixgate.errors import ContextLengthError, RequestError
+from prefixgate.store.block import SlotOrder
 
 if TYPE_CHECKING:  # kv_buffers builds on this module's KVGeometry
     from prefixgate.backends.admission import AdmissionStats
@@ -225,6 +226,15 @@ class Backend(Protocol):
     # The tags a reasoning model thinks between, by its chat template (`<think>`, `</think>`); None for others.
     reasoning_tags: tuple[str, str] | None
     steps: str  # how the model's steps run: "eager", "compiling" (eager until done) or "compiled"
+    # The order a store's top tier lays its slots out in for the steps to read the prefixes it lends where they lie,
+    # unpacked (`TieredStore.open(order=)`, `cpu_attention.KernelOrder`); None: token order.
+    slot_order: SlotOrder | None
+
+    def reads_lent_in(self, order: SlotOrder | None) -> None:
+        """Read the prefixes the store lends (`start_prefix`'s fills) as lying in `order`, its top tier's
+        (`TieredStore.slot_order`); raises ValueError for an order the steps do not read. Said once, before any
+        request."""
+        ...
 
     def render_chat(
         self,

@@ -131,10 +131,13 @@ static __thread int64_t thread_parts_size;
 /* One part of a call: query rows [first, first + count) of every query head, attended to their own keys and values
    ([kv_heads, tokens, d], KV heads `stride` elements apart; layer 0's at addresses k and v, each next layer's
    `layer_bytes` further). With causal_from -1 every row sees every key; otherwise row p sees keys [0, causal_from + p]
-   (a prompt's new tokens after causal_from others). Eight int64 from the caller, laid out once for a step's layers. */
+   (a prompt's new tokens after causal_from others); with causal_from TILED every row sees every key, and the keys and
+   values lie as a build with TILES packs them for its products, 32 positions at a time (tokens a multiple of 32). Eight
+   int64 from the caller, laid out once for a step's layers. */
 typedef struct {
     int64_t first, count, k, v, layer_bytes, stride, tokens, causal_from;
 } part_plan;
+#define TILED (-2)
 
 typedef struct {  /* where a part's work and results are */
     int64_t items, splits, chunks, first_item, parts_at, first_row;
@@ -168,6 +171,9 @@ static ahead_of chunk_ahead(const elem *k, const elem *v, int64_t c, int64_t tok
    rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
    region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when
    memory ran out (nothing attended then). */
+/* 1 where parts may come tiled (this build has TILES), else 0. */
+int prefixgate_takes_tiles(void) { return TILES; }
+
 int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *out, int64_t out_head,
                             int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const elem *new_k,
                             int64_t new_k_head, int64_t new_k_row, const elem *new_v, int64_t new_v_head,
@@ -192,7 +198,8 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
     for (int64_t p = 0; p < count; p++) {
         const part_plan *x = plan + p;
         if (x->tokens < 1 || x->count < 1 || x->causal_from >= x->tokens ||
-            (new_k && x->causal_from >= 0 && x->causal_from + x->count > x->tokens)) {
+            (new_k && x->causal_from >= 0 && x->causal_from + x->count > x->tokens) ||
+            (x->causal_from == TILED && (!TILES || x->tokens % 32))) {
             free(place);
             return -1;
         }
@@ -257,7 +264,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             float *acc = parts + at->parts_at + (item - at->first_item) * stride, *max = acc + rows * d, *sum = max + rows;
             for (int64_t c = first; c < last; c++) {
                 const int64_t t0 = c * KEYS, n = pp->tokens - t0 < KEYS ? pp->tokens - t0 : KEYS;
-                pack(k + t0 * d, v + t0 * d, n, d, rows, w);
+                pack(k + t0 * d, v + t0 * d, n, d, rows, pp->causal_from == TILED, w);
                 ahead_of ahead = {0};
                 if (c + 1 < last) ahead = chunk_ahead(k, v, c + 1, pp->tokens, d);
                 else if (next < items) {

@@ -7,7 +7,8 @@ against thousands of keys. torch's CPU flash kernel packs the keys and values fo
 of queries and reads the prefix at a fraction of the memory's speed there. This kernel takes each run of 256 keys once a
 call and attends every query row to it: in bfloat16 products summed in float32 (on AMX tiles where the CPU has AMX, the
 keys read where they lie for up to 64 rows a KV head and packed for more; packed for AVX-512 BF16 dot products
-elsewhere, which on Intel's CPUs run as float32 FMAs instead, the same sums: see cpu_attention_bf16.h), or in
+elsewhere, which on Intel's CPUs run as float32 FMAs instead, the same sums: see cpu_attention_bf16.h; on the dot
+products a prefix lent by a tier laid out in `KernelOrder` is read where it lies, packed already), or in
 float32 FMA products over the keys where they lie (`cpu_attention_f32.h`), so the call costs little more than reading
 the prefix. It merges its result into the attention the step holds for those rows, in place, so a step
 makes one call per layer for every request's own positions (writing their new keys and values first; causal, with no
@@ -36,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -60,6 +62,7 @@ _F32_AVX512_CPU_FLAGS = ("avx512f",)
 # AVX-512 one, which takes the rest (here and in the C++ operator, which a step hands it to): see `Kernels`.
 FEW_ROWS = 8
 _DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # as in cpu_attention.c
+_TILED = -2  # a part's causal_from where it lies in `KernelOrder` (cpu_attention.c's TILED)
 _OPERATOR_SOURCE = _SOURCE.with_name("cpu_attend.cpp")
 _OPERATOR_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
 
@@ -122,13 +125,15 @@ def attend_into(
 class Part(NamedTuple):
     """Rows `[first, first + length)` of a call's queries, attended to the first `tokens` positions of a layer of `kv`
     (`[layers, 2, kv_heads, capacity, d]`, rows of d contiguous): every one, or with `causal_from` query p sees
-    positions `[0, causal_from + p]` (new tokens after `causal_from` others)."""
+    positions `[0, causal_from + p]` (new tokens after `causal_from` others). With `tiled`, `kv` lies in
+    `KernelOrder`'s order (every query sees every key then, and `tokens` is a multiple of 32)."""
 
     first: int
     length: int
     kv: torch.Tensor
     tokens: int
     causal_from: int | None = None
+    tiled: bool = False
 
 
 class Plan:
@@ -143,12 +148,13 @@ class Plan:
         self.layers = min(part.kv.shape[0] for part in parts)
         size = first.element_size()
         plans: list[int] = []
-        for first_row, length, kv, tokens, causal_from in self.parts:
+        for first_row, length, kv, tokens, causal_from, tiled in self.parts:
             layer, values, head, row, column = kv.stride()
             assert kv.dtype == self.dtype and kv.shape[2] == self.kv_heads and (row, column) == (self.head_dim, 1)
             assert tokens <= kv.shape[3], "a part attends positions its KV does not hold"
             keys = kv.data_ptr()  # layer 0's, in bytes
-            causal = -1 if causal_from is None else causal_from
+            assert not (tiled and causal_from is not None), "a tiled part is attended whole"
+            causal = (_TILED if tiled else -1) if causal_from is None else causal_from
             plans += (first_row, length, keys, keys + values * size, layer * size, head, tokens, causal)
         self.laid_out = (ctypes.c_int64 * len(plans))(*plans)
 
@@ -202,6 +208,58 @@ def attend_parts(
     if failed:
         shapes = [(part.length, tuple(part.kv.shape), part.tokens, part.causal_from) for part in plan.parts]
         raise ValueError(f"the attention kernel does not take these sizes: {tuple(queries.shape)}, {shapes}")
+
+
+@dataclass(frozen=True)
+class KernelOrder:
+    """How a memory tier lays each slot's K and V out for the kernel's products to read them where they lie (a
+    `store.block.SlotOrder`), on the build that packs each run of keys for AVX-512 BF16 dot products (TILES in
+    cpu_attention_bf16.h): per KV head, each 16 positions' keys as 16 column pairs of each 32 columns by the 16 keys,
+    each 32 positions' values as 16 columns of each 16 by the 32 values of each column in pairs. A prefix lent from
+    such a tier is then never packed by the calls that read it; every other reader of the tier gets its blocks in
+    token order (`read`). A slot holds whole groups of 32 positions: block sizes that are a multiple of 32."""
+
+    def write(self, slot: torch.Tensor, kv: torch.Tensor) -> None:
+        """Lay `kv` (`[layers, 2, kv_heads, block_size, d]`, in token order) out in `slot` (the same shape)."""
+        keys, values = self._tiles(slot)
+        keys.copy_(self._keys(kv))
+        values.copy_(self._values(kv))
+
+    def read(self, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Return `slot`'s K and V in token order, written into `out` (the same shape)."""
+        keys, values = self._tiles(slot)
+        self._keys(out).copy_(keys)
+        self._values(out).copy_(values)
+        return out
+
+    @staticmethod
+    def _keys(kv: torch.Tensor) -> torch.Tensor:
+        """Token order's keys as [layers, kv_heads, groups of 16, key, slab of 32 columns, column pair, its two]."""
+        layers, _, heads, tokens, d = kv.shape
+        return kv[:, 0].view(layers, heads, tokens // 16, 16, d // 32, 16, 2)
+
+    @staticmethod
+    def _values(kv: torch.Tensor) -> torch.Tensor:
+        """Token order's values as [layers, kv_heads, groups of 32, pair of values, its two, 16 columns, column]."""
+        layers, _, heads, tokens, d = kv.shape
+        return kv[:, 1].view(layers, heads, tokens // 32, 16, 2, d // 16, 16)
+
+    @staticmethod
+    def _tiles(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values as `_keys` and `_values` index them, where they lie in this order."""
+        layers, _, heads, tokens, d = slot.shape
+        keys = slot[:, 0].view(layers, heads, tokens // 16, d // 32, 16, 16, 2).permute(0, 1, 2, 5, 3, 4, 6)
+        values = slot[:, 1].view(layers, heads, tokens // 32, d // 16, 16, 16, 2).permute(0, 1, 2, 4, 6, 3, 5)
+        return keys, values
+
+
+def slot_order(dtype: torch.dtype, head_dim: int, block_size: int) -> KernelOrder | None:
+    """Return the order a memory tier lending prefixes to this kernel's steps lays its slots out in, where the kernel
+    reads them in place that way (see `KernelOrder`); None where it reads them in token order."""
+    if dtype != torch.bfloat16 or block_size % 32 or not _sizes_fit(torch.empty(0, dtype=dtype), head_dim):
+        return None
+    kernels = _library(dtype) if prepare(dtype) else None
+    return KernelOrder() if kernels is not None and kernels.few.prefixgate_takes_tiles() else None
 
 
 class Readers(NamedTuple):

@@ -30,6 +30,9 @@
 #undef ON_FMA
 #define ON_FMA 0
 #endif
+/* On the dot products, a part may come `tiled`: its keys and values laid out in the pool as packing lays a chunk out
+   for the products (cpu_attention.KernelOrder), so that they are read where they lie, never packed. */
+#define TILES (!AMX && !ON_FMA)
 
 #if AMX
 /* Ask Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 when granted. */
@@ -105,6 +108,13 @@ typedef struct {
     uint32_t query_pairs[(ROWS / 16) * (MAX_DIM / 32) * 256];  /* per 16 rows and 32 columns: 16 column pairs x 16 rows */
 #endif
     const uint16_t *in_place, *in_place_values;  /* the chunk's keys and values, where attend_few reads them */
+#if TILES
+    /* where the products read the chunk: its packed keys, and its values' tiles, a tile of 16 columns and 32 keys
+       `value_columns` elements from the one of the columns before, `value_keys` from the one of the keys before */
+    const uint32_t *key_tiles;
+    const uint16_t *value_tiles;
+    int64_t value_columns, value_keys;
+#endif
 #if !AMX
     ahead_of *ahead;  /* the next chunk's, which each pass of the products asks a share of */
 #endif
@@ -156,8 +166,9 @@ static inline void pack_values(const uint16_t *v, int64_t n, int64_t d, int64_t 
 
 /* Pack keys [0, n) of K and V (rows of d) for the products of `rows` query rows; keys past n are zeros. Where AMX
    takes a whole chunk for at most ROWS rows (one block), they are left where they are, for attend_few; on FMAs the
-   products read every chunk where it is, 32 keys made float32 at a time. */
-static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
+   products read every chunk where it is, 32 keys made float32 at a time; a `tiled` chunk (see TILES) is read where it
+   is, packed already. */
+static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int64_t rows, int tiled, scratch *w) {
     const int in_place = AMX && rows <= ROWS && n == KEYS;
     w->in_place = in_place ? k : NULL;
     w->in_place_values = in_place ? v : NULL;
@@ -169,6 +180,21 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int
 #else
     if (in_place) return;
     const int64_t slabs = d / 32, padded = (n + 31) / 32 * 32, blocks = padded / 32;
+#if TILES
+    if (tiled) {
+        w->key_tiles = (const uint32_t *)k;
+        w->value_tiles = v;
+        w->value_columns = 512;
+        w->value_keys = d / 16 * 512;
+        return;
+    }
+    w->key_tiles = w->keys;
+    w->value_tiles = w->values;
+    w->value_columns = blocks * 512;
+    w->value_keys = 512;
+#else
+    (void)tiled;
+#endif
 #if !AMX
     /* On dot products, where one block of rows attends the chunk (a decode step's), the chunk's values are asked for
        into the nearest cache as packing begins, and each next 16 keys' rows as 16 are packed: the loads of both had
@@ -484,13 +510,13 @@ static inline __attribute__((always_inline)) void score_rows(scratch *w, int64_t
                                                              int64_t d) {
     __m512 acc[8][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint32_t *keys = w->keys + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
+    const uint32_t *keys = w->key_tiles + (g / 16) * (d / 32) * 256, *next = keys + (d / 32) * 256;
     const bf16_pair *q = (const bf16_pair *)(w->queries + r0 * d);
     const share ahead = take_share(w->ahead);
     for (int64_t pair = 0; pair < d / 2; pair++) {
         ask_line(&ahead, pair);
         const int64_t at = (pair / 16) * 256 + (pair % 16) * 16;
-        const __m512bh k0 = (__m512bh)_mm512_load_si512(keys + at), k1 = (__m512bh)_mm512_load_si512(next + at);
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + at), k1 = (__m512bh)_mm512_loadu_si512(next + at);
         for (int r = 0; r < rows; r++) {
             const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * d / 2 + pair]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, k0);
@@ -528,13 +554,14 @@ static inline __attribute__((always_inline)) void output_rows(scratch *w, int64_
     __m512 acc[4][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    const uint16_t *values = w->values + (c / 16) * blocks * 512;
+    const uint16_t *values = w->value_tiles + (c / 16) * w->value_columns;
     const bf16_pair *p = (const bf16_pair *)(w->probabilities + r0 * KEYS);
     const share ahead = take_share(w->ahead);
     for (int64_t pair = 0; pair < blocks * 16; pair++) {
         ask_line(&ahead, pair);
+        const uint16_t *tiles = values + (pair / 16) * w->value_keys + (pair % 16) * 32;
         __m512bh v[4];
-        for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (j * blocks * 16 + pair) * 32);
+        for (int j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_loadu_si512(tiles + j * w->value_columns);
         for (int r = 0; r < rows; r++) {
             const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * KEYS / 2 + pair]);
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, v[j]);

@@ -111,6 +111,7 @@ static void release_tiles(void) {}
 #define SCORE_SUMS 12
 #define OUTPUT_SUMS 12
 #endif
+#define TILES 0  /* no part comes tiled to float32 (see cpu_attention_bf16.h) */
 #define OUT_VECS (16 / LANES)  /* an output product's vectors: the 16 columns values are laid out in */
 
 typedef struct {
@@ -123,8 +124,8 @@ typedef struct {
 } scratch;
 
 /* Keep where the chunk's keys [0, n) are, and lay its values out 16 columns at a time (for any count of rows). */
-static void pack(const float *k, const float *v, int64_t n, int64_t d, int64_t rows, scratch *w) {
-    (void)rows;
+static void pack(const float *k, const float *v, int64_t n, int64_t d, int64_t rows, int tiled, scratch *w) {
+    (void)rows, (void)tiled;  /* never tiled (TILES) */
     w->keys = k;
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < d; c += LANES)  /* column c of key i: in the 16 from c / 16 * 16, at c % 16 */

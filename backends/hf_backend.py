@@ -53,6 +53,7 @@ from prefixgate.errors import (
     RequestError,
     UnsupportedModelError,
 )
+from prefixgate.store.block import SlotOrder
 from prefixgate.threads import torch_executor, use_threads
 
 _log = logging.getLogger(__name__)
@@ -157,6 +158,11 @@ class HFBackend:
         self._prefixes: SharedPrefixes | None = None
         if self._buffers is not None and self.sharing_refusal is None:
             self._prefixes = SharedPrefixes(block_size, min_tokens=min_shared_tokens)
+        # Where the C kernel reads a lent prefix where it lies in an order of its own, the store's top tier should lay
+        # its slots out in it (see `reads_lent_in`).
+        self.slot_order: SlotOrder | None = None
+        if self._prefixes is not None and self.device.type == "cpu":
+            self.slot_order = cpu_attention.slot_order(model.dtype, self.geometry.head_dim, block_size)
         scheduler = Scheduler(
             chunk_tokens=prefill_chunk_tokens,
             interleaved_tokens=interleaved_prefill_tokens or prefill_chunk_tokens,
@@ -317,6 +323,14 @@ class HFBackend:
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str)
         return text
+
+    def reads_lent_in(self, order: SlotOrder | None) -> None:
+        if order is not None and order != self.slot_order:
+            raise ValueError(
+                f"the store lends prefixes laid out as {order!r}, which this model's steps do not read; open the "
+                f"store with the backend's slot_order ({self.slot_order!r})"
+            )
+        self._runner.shared_tiled = order is not None
 
     def start_prefix(self, block_ids: Sequence[Hashable], forks: Sequence[int] = ()) -> PrefixStart | None:
         """Start a request from the shared prefix of its cached blocks (their ids, block 0 first; `forks` as the

@@ -150,6 +150,9 @@ class ModelRunner:
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._unpacked = str(model.config._attn_implementation)
         self._step: _Step = self._eager_alone  # the packed step `run` takes: eager, or compiled once `compile` is done
+        # Whether the shared prefixes steps read lie in the C kernel's order (see `attention.PackedBatch`): the order of
+        # the store's tier that lends them, as the backend is told.
+        self.shared_tiled = False
 
     def context_tokens(self) -> float:
         """Return the context at which a new token's attention costs about as much as the rest of its layer; infinity
@@ -225,7 +228,7 @@ class ModelRunner:
     def _run(self, step: _Step, inputs: Sequence[StepInput]) -> torch.Tensor:
         assert self._takes_logits_to_keep, "packed steps need logits_to_keep (every packed model has it)"
         segments = tuple(Segment(i.kv, i.start, len(i.token_ids), i.offset, i.shared) for i in inputs)
-        batch = PackedBatch.of(segments, self.device)
+        batch = PackedBatch.of(segments, self.device, shared_tiled=self.shared_tiled)
         ids = [token for i in inputs for token in i.token_ids]
         positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]

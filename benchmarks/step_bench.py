@@ -8,7 +8,8 @@ tokens in; it prints the median and fastest step. With `--python-linear` a secon
 linear layers reach the same kernel through an operator written in Python (as every build did before
 `prefixgate::linear_panels` was C++), and the steps of the two take turns, so a machine whose speed drifts meets both
 alike: it adds the second copy's times and the median of the step-by-step ratio. With `--prefix N` every stream reads a
-shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix).
+shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix,
+in the kernel's order where a server's store lays its top tier out so: `cpu_attention.KernelOrder`).
 With `--attention-against DIR` each step is also timed with the attention kernel built from the sources in DIR
 (`cpu_attention.c` and its two headers, say an earlier commit's `backends/`), the two kernels taking turns on the same
 model: it adds that column and the median of the step-by-step ratio.
@@ -165,6 +166,8 @@ def main() -> None:
         said += [f"each step {args.prompt} new tokens of every stream"] if args.prompt else []
         print("".join(f"{line}\n" for line in said))
         first, p = ways["this build"][0], args.prefix
+        # Lent in the order a server's store lays its top tier out in for this build (for the kernel from DIR: tokens').
+        tiled = loaded["this build"][0].slot_order is not None and p % 32 == 0
         shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
         ours = cpu_attention._library
         rows, profiles = [], []
@@ -179,6 +182,7 @@ def main() -> None:
                     runner, kernels = ways[name]
                     # the kernel a step is laid out with (`cpu_attention.StepLayout` asks `_library` each step)
                     cpu_attention._library = ours if kernels is None else (lambda _dtype, k=kernels: k)
+                    runner.shared_tiled = tiled and kernels is None
                     inputs = step_inputs(buffers[name], at, shared, args.prompt)  # made before the clock, as the step's
                     start = time.perf_counter()
                     runner.run(inputs)

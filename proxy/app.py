@@ -85,6 +85,7 @@ async def build_engine(settings: Settings) -> AnyEngine:
             BlockLayout(geometry.block_shape, geometry.dtype),
             store_config(settings, backend.device),
             device=backend.device,
+            order=backend.slot_order,
         )
     except BaseException:
         await backend.aclose()

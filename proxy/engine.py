@@ -217,6 +217,7 @@ class Engine:
     ) -> None:
         self.backend = backend
         self.store = store
+        backend.reads_lent_in(store.slot_order)
         self.stats = EngineStats()
         self._rules = rules
         self._patterns = tuple(patterns)

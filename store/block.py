@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from math import prod
+from typing import Protocol
 
 import torch
 
@@ -67,6 +68,20 @@ class Block:
     parent: BlockKey | None = None  # the key of the block before it; None for block 0
     tenant: str = ""  # who computed it, for inspection; isolation comes from the key's namespace
     created: float = 0.0  # wall-clock seconds, for inspection
+
+
+class SlotOrder(Protocol):
+    """How a memory tier lays each slot's K and V out where not token by token: as a model's attention kernel reads
+    them, so that a prefix lent in place needs no repacking per step (`backends.cpu_attention.KernelOrder`). Only
+    the tier's pool is in this order: every block it takes or gives is in token order."""
+
+    def write(self, slot: torch.Tensor, kv: torch.Tensor) -> None:
+        """Lay `kv` (`[layers, 2, kv_heads, block_size, head_dim]`, in token order) out in `slot` (the same shape)."""
+        ...
+
+    def read(self, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Return `slot`'s K and V in token order, written into `out` (the same shape)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,10 @@ order, form one run while the tier has room; a prefix stored in pieces (into the
 gathered into one run before it is first lent (`gather`). A borrowed slot (`borrow`) is read by running requests: it
 is never evicted, and when its block is removed (a flush, a delete, expiry) the slot stays out of use until the last
 reader gives it back.
+
+Within each slot, K and V lie token by token, or in the `SlotOrder` the tier is given (the attention kernel's, so
+that a prefix lent in place is read as it lies): lent views are in that order, while every block the tier takes
+(`put`) or gives (`get`, `peek`) is in token order.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy
-from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep
+from prefixgate.store.block import BY_POLICY, Block, BlockLayout, Keep, SlotOrder
 from prefixgate.store.keys import BlockKey
 from prefixgate.store.tier import EntryInfo, Held, Tier
 
@@ -65,9 +69,11 @@ class MemoryTier(Tier):
         clock: Callable[[], float],
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        order: SlotOrder | None = None,
     ) -> None:
         super().__init__(name, layout, capacity_bytes, policy, clock)
         self.device = torch.device(device)
+        self.order = order  # how each slot is laid out; None: token by token
         slots = self.capacity_blocks
         layers, two, kv_heads, self._block_size, head_dim = layout.shape
         # pool: [layers, 2, kv_heads, slots * block_size, head_dim]
@@ -101,12 +107,22 @@ class MemoryTier(Tier):
         if slot is None:
             return None
         block = slot.block
-        kv = block.kv.clone() if out is None else out.copy_(block.kv, non_blocking=out.is_cuda and block.kv.is_pinned())
+        if self.order is not None:
+            kv = self.order.read(block.kv, torch.empty_like(block.kv) if out is None else out)
+        elif out is None:
+            kv = block.kv.clone()
+        else:
+            kv = out.copy_(block.kv, non_blocking=out.is_cuda and block.kv.is_pinned())
         return Block(block.key, block.tokens, kv, block.parent, block.tenant, block.created)
 
     def peek(self, key: BlockKey) -> Block | None:
+        """Return the block as it lies, a view into the pool (valid while the pool does not change); in the tier's
+        order, a copy in token order."""
         slot = self._slots.get(key)
-        return None if slot is None else slot.block
+        if slot is None or self.order is None:
+            return None if slot is None else slot.block
+        block = slot.block
+        return replace(block, kv=self.order.read(block.kv, torch.empty_like(block.kv)))
 
     def attrs(self, key: BlockKey) -> Keep | None:
         slot = self._slots.get(key)
@@ -130,7 +146,9 @@ class MemoryTier(Tier):
             index = slot.index
         view = self.span(index, 1)  # kv: [layers, 2, kv_heads, block_size, head_dim]
         # A slot being read keeps its K and V: a block of the same key holds the same tokens' K and V.
-        if index not in self._readers:
+        if index not in self._readers and self.order is not None:
+            self.order.write(view, block.kv)
+        elif index not in self._readers:
             # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
             view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
@@ -215,7 +233,7 @@ class MemoryTier(Tier):
         return len(self._readers)
 
     def span(self, first: int, count: int) -> torch.Tensor:
-        """Return slots `first` to `first + count` (not included) as one view:
+        """Return slots `first` to `first + count` (not included) as one view, in the tier's order:
         [layers, 2, kv_heads, count * block_size, head_dim]."""
         size = self._block_size
         return self._pool[:, :, :, first * size : (first + count) * size]

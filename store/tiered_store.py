@@ -16,7 +16,7 @@ import torch
 
 from prefixgate.errors import StoreError
 from prefixgate.policies import Policy, make_policy
-from prefixgate.store.block import Block, BlockLayout, Keep
+from prefixgate.store.block import Block, BlockLayout, Keep, SlotOrder
 from prefixgate.store.keys import BlockKey, Namespace, chain_keys, load_or_create_secret, shared_prefix
 from prefixgate.store.lmdb_tier import LMDBTier
 from prefixgate.store.memory_tier import MemoryTier, pins_pool
@@ -200,8 +200,11 @@ class TieredStore:
         *,
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.time,
+        order: SlotOrder | None = None,
     ) -> TieredStore:
-        """Open (or create) the store in `folder`; with no folder there is no disk tier and nothing persists."""
+        """Open (or create) the store in `folder`; with no folder there is no disk tier and nothing persists. With
+        `order`, the top tier lays its slots out in it (the model's attention kernel's, for the prefixes it lends: see
+        `SlotOrder`); the others keep token order."""
         device = torch.device(device)
         tiers: list[Tier] = []
         for name, tier_config, tier_device in (
@@ -219,6 +222,7 @@ class TieredStore:
                         clock=clock,
                         device=tier_device,
                         pin_memory=pins_pool(tier_device, device),
+                        order=None if tiers else order,
                     )
                 )
         disk = folder is not None and config.disk.capacity_bytes > 0
@@ -453,6 +457,12 @@ class TieredStore:
                 f"{heads}, at least {tokens}, {head_dim}] for this prompt; got {tuple(out.shape)} "
                 f"{str(out.dtype).removeprefix('torch.')} on {out.device}"
             )
+
+    @property
+    def slot_order(self) -> SlotOrder | None:
+        """Return the order the prefixes `borrow` lends lie in: the top tier's (None: token by token)."""
+        top = self.tiers[0]
+        return top.order if isinstance(top, MemoryTier) else None
 
     @property
     def lends(self) -> bool:
@@ -799,13 +809,13 @@ class TieredStore:
 
     def _demote(self, level: int, key: BlockKey) -> None:
         tier = self.tiers[level]
-        block, keep = tier.peek(key), tier.attrs(key)
+        keep = tier.attrs(key)
         below = self.tiers[level + 1] if level + 1 < len(self.tiers) else None
         moved = False
-        if block is not None and keep is not None and below is not None:
+        if keep is not None and below is not None:
             if below.persistent and below.contains(key):
-                moved = True  # written through already
-            else:
+                moved = True  # written through already: not even looked at (a look in a tier's own order copies)
+            elif (block := tier.peek(key)) is not None:
                 # The tensor is a view into this tier's pool, and the disk writer encodes it later: copy it.
                 kv = block.kv.clone() if below.persistent else block.kv
                 moved = self._insert(level + 1, replace(block, kv=kv), keep)

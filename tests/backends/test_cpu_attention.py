@@ -291,6 +291,70 @@ def test_the_bfloat16_build_on_fmas_gives_the_dot_products_bits(
     assert not torch.equal(out_dot, held)  # it attended
 
 
+def in_kernel_order(kv: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Return `kv` (`[layers, 2, kv_heads, positions, d]`) laid out as a store's top tier in the kernel's order holds
+    it, a block of `block` positions at a time."""
+    tiled = torch.empty_like(kv)
+    for at in range(0, kv.shape[3], block):
+        cpu_attention.KernelOrder().write(tiled[:, :, :, at : at + block], kv[:, :, :, at : at + block])
+    return tiled
+
+
+@needs_bfloat16_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "count", "tokens", "head_dim"),
+    [
+        (9, 3, 8, 4096, 64),  # 8 decoding streams on a 4k prefix
+        (9, 3, 1, 1088, 64),  # one stream, over keys that end inside a run of 256
+        (9, 3, 27, 1024, 64),  # 81 rows a KV head: two blocks of rows
+        (9, 3, 432, 512, 64),  # 16 prompts of 27 tokens
+        (4, 2, 7, 320, 128),  # a wider head: two passes of 64 columns
+        (2, 1, 5, 96, 256),  # the widest heads
+    ],
+)
+def test_a_prefix_in_the_kernels_order_is_read_where_it_lies_to_the_bits_of_token_order(
+    heads: int, kv_heads: int, count: int, tokens: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the build that packs each run of keys for its dot products (AMD's CPUs run it), a part `tiled` is read as
+    # packing would have laid it out; every sum the same.
+    dot = cpu_attention._load(cpu_attention._FLAGS)
+    assert not isinstance(dot, str) and dot.prefixgate_takes_tiles() == 1
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: cpu_attention.Kernels(dot, dot))
+    torch.manual_seed(0)
+    queries = torch.randn(1, heads, count, head_dim).bfloat16()
+    kv = (torch.randn(1, 2, kv_heads, tokens, head_dim) * 2).bfloat16()
+    tiled = in_kernel_order(kv, 32 if tokens % 64 else 64)
+    assert not torch.equal(tiled, kv)
+    held, held_lse = torch.randn(1, heads, count, head_dim).bfloat16(), torch.randn(1, heads, count)
+    results = []
+    for part in (cpu_attention.Part(0, count, kv, tokens), cpu_attention.Part(0, count, tiled, tokens, tiled=True)):
+        out, lse = held.clone(), held_lse.clone()
+        cpu_attention.attend_parts(queries, cpu_attention.Plan([part]), 0, head_dim**-0.5, out, lse)
+        results.append((out, lse))
+    (out, lse), (out_tiled, lse_tiled) = results
+    assert torch.equal(out_tiled, out) and torch.equal(lse_tiled, lse)
+    assert not torch.equal(out, held)  # it attended
+
+
+@needs_bfloat16_kernel
+def test_builds_that_read_keys_in_token_order_refuse_a_tiled_part_and_so_does_a_ragged_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dot, fma = (cpu_attention._load(flags) for flags in (cpu_attention._FLAGS, cpu_attention._FLAGS + ("-DON_FMA",)))
+    assert not isinstance(dot, str) and not isinstance(fma, str) and fma.prefixgate_takes_tiles() == 0
+    kv = torch.randn(1, 2, 1, 96, 64).bfloat16()
+    queries, out, lse = torch.randn(1, 1, 3, 64).bfloat16(), torch.zeros(1, 1, 3, 64).bfloat16(), torch.zeros(1, 1, 3)
+    for library, part in (
+        (fma, cpu_attention.Part(0, 3, kv, 96, tiled=True)),
+        (dot, cpu_attention.Part(0, 3, kv, 80, tiled=True)),  # not whole groups of 32 positions
+    ):
+        monkeypatch.setattr(
+            cpu_attention, "_library", lambda dtype, library=library: cpu_attention.Kernels(library, library)
+        )
+        with pytest.raises(ValueError, match="does not take these sizes"):
+            cpu_attention.attend_parts(queries, cpu_attention.Plan([part]), 0, 0.125, out, lse)
+
+
 # A kernel that takes no sizes at all: where a call runs on it, the call says so.
 REFUSING_KERNEL = """
 #include <stdint.h>

@@ -14,13 +14,23 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from prefixgate.backends import EMBEDDED_MODEL, HFBackend, KVReservation, PrefixStart, SamplingParams, StepRecord
+from prefixgate.backends import (
+    EMBEDDED_MODEL,
+    HFBackend,
+    KVReservation,
+    PrefixStart,
+    SamplingParams,
+    StepRecord,
+    cpu_attention,
+)
+from prefixgate.backends import attention as attention_module
 from prefixgate.backends.kv_cache import geometry_from_config
 from prefixgate.proxy import engine as engine_module
 from prefixgate.proxy.engine import Breakpoint, Engine, PreparedPrompt, PromptRequest, Retained
 from prefixgate.proxy.settings import load_settings
 from prefixgate.store import Block, BlockKey, BlockLayout, StoreConfig, TierConfig, TieredStore, shared_prefix
 from prefixgate.store.memory_tier import MemoryTier
+from tests.backends.tiny_models import make_llama
 from tests.proxy.conftest import HANG_GUARD_SECONDS, HeldSteps, on_event_loop, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -380,3 +390,49 @@ async def test_a_flush_while_requests_read_a_shared_prefix_changes_no_answer(
     finally:
         steps.released.set()
         await engine.close()
+
+
+async def test_a_store_in_the_kernels_order_lends_prefixes_the_steps_read_where_they_lie_and_answers_as_in_token_order(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = cpu_attention.slot_order(torch.bfloat16, 64, 32)
+    if order is None:
+        pytest.skip("the C kernel reads lent prefixes in token order here: its build packs none, or it does not run")
+    model = make_llama(tokenizer, head_dim=64, seed=1).to(torch.bfloat16)  # heads of 64: the bfloat16 kernel's
+    lay_out, tiled = attention_module._kernel_layout, []
+
+    def recorded(batch: attention_module.PackedBatch) -> cpu_attention.StepLayout:
+        if batch.shared:
+            tiled.append(batch.shared_tiled)
+        return lay_out(batch)
+
+    monkeypatch.setattr(attention_module, "_kernel_layout", recorded)
+    questions = [f"Question {index}: what is the capital of France?" for index in range(3)]
+    answers = {}
+    for ordered in (False, True):
+        backend = HFBackend(model, tokenizer, model_id="tiny-llama", block_size=32, min_shared_tokens=64)
+        assert backend.slot_order == order
+        with pytest.raises(ValueError, match="do not read"):
+            backend.reads_lent_in(object())  # type: ignore[arg-type]
+        geometry = backend.geometry
+        tiers = StoreConfig(TierConfig(0), TierConfig(64 * geometry.block_nbytes), TierConfig(1 << 30))
+        store = TieredStore.open(
+            tmp_path / str(ordered),
+            BlockLayout(geometry.block_shape, geometry.dtype),
+            tiers,
+            order=order if ordered else None,
+        )
+        engine = Engine(backend, store)
+        try:
+            await engine.complete(chat(questions[0]))  # computed, then cached
+            await engine.wait_for_blocks()
+            tiled.clear()
+            together = await asyncio.gather(*(engine.complete(chat(question)) for question in questions))
+            await asyncio.to_thread(store.flush, "host")  # from disk (in token order) to the host tier, laid out again
+            again = await asyncio.gather(*(engine.complete(chat(question)) for question in questions))
+            assert tiled and set(tiled) == {ordered}  # steps read lent prefixes, in the store's order
+            assert all(answer.usage.cached_tokens > 64 for answer in together + again)
+            answers[ordered] = [answer.text for answer in together + again]
+        finally:
+            await engine.close()
+    assert answers[True] == answers[False]

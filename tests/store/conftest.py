@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prefixgate.store import Block, BlockLayout, Namespace, StoreConfig, TierConfig, TieredStore, chain_keys
+from prefixgate.store.block import SlotOrder
 from tests.fake_clock import FakeClock
 
 LAYOUT = BlockLayout(shape=(2, 2, 2, 4, 8), dtype=torch.float32)  # 4 tokens a block, 512 bytes
@@ -71,8 +72,10 @@ def open_store(tmp_path: Path, clock: FakeClock) -> Iterator[StoreFactory]:
     """Open stores in a temporary folder (the same one each call, so reopening sees earlier blocks)."""
     opened: list[TieredStore] = []
 
-    def factory(store_config: StoreConfig | None = None, folder: Path | None = tmp_path) -> TieredStore:
-        store = TieredStore.open(folder, LAYOUT, store_config or config(), clock=clock)
+    def factory(
+        store_config: StoreConfig | None = None, folder: Path | None = tmp_path, order: SlotOrder | None = None
+    ) -> TieredStore:
+        store = TieredStore.open(folder, LAYOUT, store_config or config(), clock=clock, order=order)
         opened.append(store)
         return store
 

@@ -170,3 +170,43 @@ def test_random_loans_puts_flushes_and_deletes_never_mix_up_blocks(open_store: S
     store.put(make_blocks(store, OTHER)[:8])
     store.put(make_blocks(store, prompts[0]))
     assert len(tier) == 12  # every slot came back
+
+
+class Reversed:
+    """A slot order of the tests' own: each slot's positions last to first."""
+
+    def write(self, slot: torch.Tensor, kv: torch.Tensor) -> None:
+        slot.copy_(kv.flip(3))
+
+    def read(self, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(slot.flip(3))
+
+
+def test_a_top_tier_in_an_order_of_its_own_lends_in_it_and_gives_every_block_in_token_order(
+    open_store: StoreFactory,
+) -> None:
+    order = Reversed()
+    store = open_store(config(host=8 * BLOCK), order=order)
+    assert store.slot_order is order and host(store).order is order
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks)
+    borrowed = store.borrow(NS, PROMPT, start=1, stop=6)
+    (view,) = borrowed.kv
+    assert torch.equal(view, torch.cat([block.kv.flip(3) for block in blocks[1:6]], dim=3))  # as the pool holds it
+    # Every block the tier gives is in token order: fetched, read, and what it demotes to disk.
+    assert all(
+        torch.equal(block.kv, made.kv) for block, made in zip(store.fetch(NS, PROMPT).blocks, blocks, strict=True)
+    )
+    read = store.read(blocks[2].key)
+    assert read is not None and torch.equal(read.kv, blocks[2].kv)
+    borrowed.give_back()
+    store.put(make_blocks(store, OTHER))  # 8 blocks more than the tier holds: PROMPT's go to disk
+    disk = store.tiers[-1]
+    on_disk = disk.peek(blocks[0].key)
+    assert on_disk is not None and not isinstance(disk, MemoryTier) and torch.equal(on_disk.kv, blocks[0].kv)
+    # Promoted back to be lent, in the tier's order again.
+    again = store.borrow(NS, PROMPT, start=0, stop=2)
+    assert again.tiers == ("disk", "disk") and torch.equal(
+        again.kv[0], torch.cat([b.kv.flip(3) for b in blocks[:2]], 3)
+    )
+    again.give_back()

@@ -163,6 +163,30 @@ static ahead_of chunk_ahead(const elem *k, const elem *v, int64_t c, int64_t tok
     return (ahead_of){(const char *)(k + t0 * d), (const char *)(v + t0 * d), 0, n * d * (int64_t)sizeof(elem), 0};
 }
 
+/* 1 where parts may come tiled (this build has TILES), else 0. */
+int prefixgate_takes_tiles(void) { return TILES; }
+
+/* Lay `layers` layers of `heads` KV heads of `tokens` positions (a multiple of 32) out as a tiled part lies
+   (`to_tiles` 1), or back into rows of d (0): from `from` into `to`, where each next layer, the values after the keys
+   and each next KV head lie `layer`, `values` and `head` elements further (from[0] to[0], from[1] to[1] and so on: the
+   strides of each). Returns 0, -1 where this build takes no tiled parts. */
+int prefixgate_lay_out(const elem *from, elem *to, int64_t layers, int64_t heads, int64_t tokens, int64_t d,
+                       const int64_t *strides, int to_tiles) {
+#if TILES
+    for (int64_t l = 0; l < layers; l++)
+        for (int64_t h = 0; h < heads; h++) {
+            const elem *k = from + l * strides[0] + h * strides[4];
+            elem *t = to + l * strides[1] + h * strides[5];
+            if (to_tiles) lay_out_tiles(k, k + strides[2], t, t + strides[3], tokens, d);
+            else lay_out_rows(k, k + strides[2], t, t + strides[3], tokens, d);
+        }
+    return 0;
+#else
+    (void)from, (void)to, (void)layers, (void)heads, (void)tokens, (void)d, (void)strides, (void)to_tiles;
+    return -1;
+#endif
+}
+
 /* Attend the parts' query rows to their keys and values in layer `layer` and merge that, by log-sum-exp, into the
    attention over other keys the caller holds in `out` and `lse`, in place. Query head j reads KV head j / groups;
    queries and out are rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements);
@@ -171,9 +195,6 @@ static ahead_of chunk_ahead(const elem *k, const elem *v, int64_t c, int64_t tok
    rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
    region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when
    memory ran out (nothing attended then). */
-/* 1 where parts may come tiled (this build has TILES), else 0. */
-int prefixgate_takes_tiles(void) { return TILES; }
-
 int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *out, int64_t out_head,
                             int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const elem *new_k,
                             int64_t new_k_head, int64_t new_k_row, const elem *new_v, int64_t new_v_head,

@@ -221,36 +221,39 @@ class KernelOrder:
 
     def write(self, slot: torch.Tensor, kv: torch.Tensor) -> None:
         """Lay `kv` (`[layers, 2, kv_heads, block_size, d]`, in token order) out in `slot` (the same shape)."""
-        keys, values = self._tiles(slot)
-        keys.copy_(self._keys(kv))
-        values.copy_(self._values(kv))
+        _lay_out(kv, slot, to_tiles=True)
 
     def read(self, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Return `slot`'s K and V in token order, written into `out` (the same shape)."""
-        keys, values = self._tiles(slot)
-        self._keys(out).copy_(keys)
-        self._values(out).copy_(values)
+        _lay_out(slot, out, to_tiles=False)
         return out
 
-    @staticmethod
-    def _keys(kv: torch.Tensor) -> torch.Tensor:
-        """Token order's keys as [layers, kv_heads, groups of 16, key, slab of 32 columns, column pair, its two]."""
-        layers, _, heads, tokens, d = kv.shape
-        return kv[:, 0].view(layers, heads, tokens // 16, 16, d // 32, 16, 2)
 
-    @staticmethod
-    def _values(kv: torch.Tensor) -> torch.Tensor:
-        """Token order's values as [layers, kv_heads, groups of 32, pair of values, its two, 16 columns, column]."""
-        layers, _, heads, tokens, d = kv.shape
-        return kv[:, 1].view(layers, heads, tokens // 32, 16, 2, d // 16, 16)
+def _lay_out(source: torch.Tensor, target: torch.Tensor, *, to_tiles: bool) -> None:
+    """Lay `source`'s K and V out in `target` in `KernelOrder` (`to_tiles`), or back in token order, in C: 0.17 ms a
+    block of SmolLM2's either way on the Zen 4 EPYC, where torch's copies through permuted views took 0.58 (a plain
+    copy of one, 0.08)."""
+    layers, two, heads, tokens, d = source.shape
+    if source.stride()[3:] != (d, 1):
+        source = source.contiguous()
+    assert target.shape == source.shape and target.dtype == source.dtype == torch.bfloat16 and two == 2
+    assert target.stride()[3:] == (d, 1) and tokens % 32 == 0 and d % 64 == 0
+    assert not to_tiles or target.data_ptr() % 64 == 0, "tiles are written to 64-byte aligned memory"
+    strides = (ctypes.c_int64 * 6)(*(x.stride(dim) for dim in range(3) for x in (source, target)))
+    failed = _lay_out_function()(source.data_ptr(), target.data_ptr(), layers, heads, tokens, d, strides, to_tiles)
+    assert failed == 0, "KernelOrder where the kernel's build takes no tiled parts"
 
-    @staticmethod
-    def _tiles(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's keys and values as `_keys` and `_values` index them, where they lie in this order."""
-        layers, _, heads, tokens, d = slot.shape
-        keys = slot[:, 0].view(layers, heads, tokens // 16, d // 32, 16, 16, 2).permute(0, 1, 2, 5, 3, 4, 6)
-        values = slot[:, 1].view(layers, heads, tokens // 32, d // 16, 16, 16, 2).permute(0, 1, 2, 4, 6, 3, 5)
-        return keys, values
+
+@functools.cache
+def _lay_out_function() -> Any:
+    """Return the bfloat16 build's `prefixgate_lay_out`, typed."""
+    kernels = _library(torch.bfloat16)
+    assert kernels is not None, "KernelOrder where the bfloat16 kernel does not run"
+    function = kernels.few.prefixgate_lay_out
+    size = ctypes.c_int64
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size, size, size, size, ctypes.c_void_p, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
 
 
 def slot_order(dtype: torch.dtype, head_dim: int, block_size: int) -> KernelOrder | None:

@@ -221,6 +221,46 @@ static void pack(const uint16_t *k, const uint16_t *v, int64_t n, int64_t d, int
 #endif
 }
 
+#if TILES
+/* One KV head's `tokens` keys and values (rows of d, a multiple of 32 of them) laid out as `pack` lays a chunk out for
+   the products, into `key_tiles` and `value_tiles` (64-byte aligned): how a tiled part lies. */
+static void lay_out_tiles(const uint16_t *k, const uint16_t *v, uint16_t *key_tiles, uint16_t *value_tiles,
+                          int64_t tokens, int64_t d) {
+    const int64_t slabs = d / 32;
+    for (int64_t g = 0; g < tokens; g += 16)
+        for (int64_t slab = 0; slab < slabs; slab++)
+            pair_tile(k + g * d + slab * 32, d, 16, (uint32_t *)key_tiles + ((g / 16) * slabs + slab) * 256);
+    for (int64_t b = 0; b < tokens / 32; b++) pack_values(v + b * 32 * d, 32, d, 0, d, value_tiles + b * d * 32, 512);
+}
+
+/* The inverse of lay_out_tiles: a tiled head's keys and values back into rows of d. */
+static void lay_out_rows(const uint16_t *key_tiles, const uint16_t *value_tiles, uint16_t *k, uint16_t *v,
+                         int64_t tokens, int64_t d) {
+    const int64_t slabs = d / 32;
+    for (int64_t g = 0; g < tokens; g += 16)
+        for (int64_t slab = 0; slab < slabs; slab++) {
+            const uint32_t *tile = (const uint32_t *)key_tiles + ((g / 16) * slabs + slab) * 256;
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(tile + i * 16);
+            transpose16(r);  /* its own inverse: row i is key g + i's 16 column pairs */
+            for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(k + (g + i) * d + slab * 32, r[i]);
+        }
+    /* a tile row holds two values' 16 columns interleaved: the first value's are the even elements */
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24,
+                                          22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    for (int64_t b = 0; b < tokens / 32; b++)
+        for (int64_t c = 0; c < d; c += 32)
+            for (int64_t pair = 0; pair < 16; pair++) {
+                const uint16_t *low = value_tiles + b * d * 32 + (c / 16) * 512 + pair * 32;
+                const __m512i x = _mm512_loadu_si512(low), y = _mm512_loadu_si512(low + 512);
+                uint16_t *first = v + (b * 32 + 2 * pair) * d + c;
+                _mm512_storeu_si512(first, _mm512_permutex2var_epi16(x, even, y));
+                _mm512_storeu_si512(first + d, _mm512_permutex2var_epi16(x, odd, y));
+            }
+}
+#endif
+
 /* The columns of a pass of attend_few's outputs: its accumulators are `tiles` tiles of rows by width / 16 of columns,
    four at most. */
 static inline int64_t few_width(int64_t tiles) { return tiles == 1 ? 64 : (tiles == 2 ? 32 : 16); }

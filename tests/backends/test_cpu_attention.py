@@ -300,6 +300,41 @@ def in_kernel_order(kv: torch.Tensor, block: int = 64) -> torch.Tensor:
     return tiled
 
 
+def tiles_spelled_in_torch(kv: torch.Tensor) -> torch.Tensor:
+    """`KernelOrder`'s layout of `kv` (`[layers, 2, kv_heads, positions, d]`) spelled in torch: each 16 keys as 16
+    column pairs of each 32 columns by the 16 keys, each 32 values as 16 columns of each 16 by the 32 values in
+    pairs."""
+    layers, _, heads, tokens, d = kv.shape
+    tiled = torch.empty_like(kv)
+    keys = tiled[:, 0].view(layers, heads, tokens // 16, d // 32, 16, 16, 2).permute(0, 1, 2, 5, 3, 4, 6)
+    keys.copy_(kv[:, 0].reshape(layers, heads, tokens // 16, 16, d // 32, 16, 2))
+    values = tiled[:, 1].view(layers, heads, tokens // 32, d // 16, 16, 16, 2).permute(0, 1, 2, 4, 6, 3, 5)
+    values.copy_(kv[:, 1].reshape(layers, heads, tokens // 32, 16, 2, d // 16, 16))
+    return tiled
+
+
+@needs_bfloat16_kernel
+@pytest.mark.parametrize(("tokens", "head_dim"), [(32, 64), (64, 64), (64, 128), (96, 256)])
+def test_the_kernels_order_lays_a_block_out_as_packing_does_and_back(
+    tokens: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dot = cpu_attention._load(cpu_attention._FLAGS)
+    assert not isinstance(dot, str)
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: cpu_attention.Kernels(dot, dot))
+    monkeypatch.setattr(cpu_attention, "_lay_out_function", cpu_attention._lay_out_function.__wrapped__)
+    torch.manual_seed(0)
+    pool = torch.randn(3, 2, 2, 4 * tokens, head_dim).bfloat16()  # a tier's pool: a slot is a slice of its positions
+    kv = torch.randn(3, 2, 2, tokens, head_dim).bfloat16()
+    before = pool.clone()
+    slot = pool[:, :, :, tokens : 2 * tokens]
+    cpu_attention.KernelOrder().write(slot, kv)
+    assert torch.equal(slot, tiles_spelled_in_torch(kv))
+    assert torch.equal(pool[:, :, :, :tokens], before[:, :, :, :tokens])  # the other slots as they were
+    assert torch.equal(pool[:, :, :, 2 * tokens :], before[:, :, :, 2 * tokens :])
+    out = torch.empty_like(kv)
+    assert cpu_attention.KernelOrder().read(slot, out) is out and torch.equal(out, kv)
+
+
 @needs_bfloat16_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "count", "tokens", "head_dim"),

@@ -30,7 +30,7 @@ from prefixgate.proxy.statistics import EngineCollector
 from prefixgate.proxy.upstream_engine import UpstreamEngine
 from prefixgate.store import BlockLayout, RemoteConfig, StoreConfig, TierConfig, TieredStore
 from prefixgate.store.keys import load_or_create_secret
-from prefixgate.threads import torch_executor
+from prefixgate.threads import io_threads
 
 # How the app is served (keyword arguments of aiohttp's run_app, AppRunner and TestServer): a client that disconnects
 # cancels its handler, so its request stops at the model's next step, in prefill as in decoding, streamed or not.
@@ -125,9 +125,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = build_engine)
     async def engine_context(app: web.Application) -> AsyncIterator[None]:
         app[ENGINE] = await engine_factory(settings)
         app[METRICS] = _metrics_registry(app[ENGINE], settings)
-        # The model is loaded: from now on the loop's worker threads, which prepare prompts and copy blocks, run
-        # torch on one CPU thread and make no OpenMP pool beside the model thread's (see prefixgate.threads).
-        asyncio.get_running_loop().set_default_executor(torch_executor("prefixgate-io"))
+        io_threads(asyncio.get_running_loop())  # the model is loaded
         yield
         await app[ENGINE].close()
 

@@ -28,6 +28,7 @@ from prefixgate.proxy.python.decorator import (
 )
 from prefixgate.proxy.python.reply import AsyncReplyStream, Pieces, Reply, ReplyStream
 from prefixgate.proxy.python.targets import EngineTarget, ServerTarget, Target
+from prefixgate.threads import io_threads
 
 P = ParamSpec("P")
 _T = TypeVar("_T")
@@ -43,6 +44,8 @@ class PromptCache:
     def __init__(self, target: Target, loop: _LoopThread) -> None:
         self._target = target
         self._loop = loop
+        if isinstance(target, EngineTarget):
+            loop.run(_io_threads())  # the model is loaded
         _OPEN.add(self)
 
     # -- making one ---------------------------------------------------------------------------------------------
@@ -206,6 +209,10 @@ def _flush_open_caches() -> None:
     # needs are already shut down), and need not: the process is ending.
     for cache in list(_OPEN):
         cache._target.flush()
+
+
+async def _io_threads() -> None:
+    io_threads(asyncio.get_running_loop())
 
 
 class _LoopThread:

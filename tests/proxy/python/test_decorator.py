@@ -434,3 +434,9 @@ def test_the_question_answering_example_serves_later_questions_from_the_cache_an
     cached = [int(count) for count in re.findall(r"cached (\d+) of \d+ prompt tokens", done.stdout)]
     assert len(cached) >= 2 and cached[0] == 0 and all(count > 0 for count in cached[1:]), done.stdout
     assert list(temporary.iterdir()) == []  # its temporary store is gone
+
+
+def test_an_in_process_caches_worker_threads_run_torch_on_one_cpu_thread(cache: PromptCache) -> None:
+    # As a server's: the engine prepares prompts and copies blocks there, and a pool of threads made there beside the
+    # model thread's would have the model's threads sleep between its kernels.
+    assert cache._loop.run(asyncio.to_thread(torch.get_num_threads)) == 1

@@ -95,6 +95,12 @@ def new_buffer(
     return buffer.to(runner.model.dtype)
 
 
+def reads_tiles(kernels: cpu_attention.Kernels) -> bool:
+    """Say whether a build of the kernel reads a shared prefix in `cpu_attention.KernelOrder`."""
+    takes = getattr(kernels.few, "prefixgate_takes_tiles", None)  # none in sources from before that order
+    return takes is not None and takes() == 1
+
+
 def step_inputs(
     buffers: list[torch.Tensor], at: int, shared: tuple[torch.Tensor, ...], prompt: int = 0
 ) -> list[StepInput]:
@@ -166,7 +172,8 @@ def main() -> None:
         said += [f"each step {args.prompt} new tokens of every stream"] if args.prompt else []
         print("".join(f"{line}\n" for line in said))
         first, p = ways["this build"][0], args.prefix
-        # Lent in the order a server's store lays its top tier out in for this build (for the kernel from DIR: tokens').
+        # Lent in the order a server's store lays its top tier out in for this build; for the kernel from DIR too
+        # where it reads that order (sources from before it read tokens' order).
         tiled = loaded["this build"][0].slot_order is not None and p % 32 == 0
         shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
         ours = cpu_attention._library
@@ -182,7 +189,7 @@ def main() -> None:
                     runner, kernels = ways[name]
                     # the kernel a step is laid out with (`cpu_attention.StepLayout` asks `_library` each step)
                     cpu_attention._library = ours if kernels is None else (lambda _dtype, k=kernels: k)
-                    runner.shared_tiled = tiled and kernels is None
+                    runner.shared_tiled = tiled and (kernels is None or reads_tiles(kernels))
                     inputs = step_inputs(buffers[name], at, shared, args.prompt)  # made before the clock, as the step's
                     start = time.perf_counter()
                     runner.run(inputs)

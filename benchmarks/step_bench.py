@@ -9,7 +9,8 @@ linear layers reach the same kernel through an operator written in Python (as ev
 `prefixgate::linear_panels` was C++), and the steps of the two take turns, so a machine whose speed drifts meets both
 alike: it adds the second copy's times and the median of the step-by-step ratio. With `--prefix N` every stream reads a
 shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix,
-in the kernel's order where a server's store lays its top tier out so: `cpu_attention.KernelOrder`).
+in the kernel's order where a server's store lays its top tier out so: `cpu_attention.KernelOrder`; for the kernel
+from DIR below too where it takes that order, in token order where its sources are from before).
 With `--attention-against DIR` each step is also timed with the attention kernel built from the sources in DIR
 (`cpu_attention.c` and its two headers, say an earlier commit's `backends/`), the two kernels taking turns on the same
 model: it adds that column and the median of the step-by-step ratio.

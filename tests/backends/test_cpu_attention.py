@@ -683,3 +683,12 @@ def test_torchs_own_users_of_the_matrix_tiles_run_as_before_between_kernel_calls
             assert torch.equal(kernel(), alone[2])
             assert torch.equal(torch.nn.functional.linear(x, w), alone[1])
             assert torch.equal(kernel(), alone[2])
+
+
+def test_the_kernels_order_is_offered_only_where_its_build_reads_it_and_blocks_hold_whole_groups() -> None:
+    builds = cpu_attention._library(torch.bfloat16)
+    reads = builds is not None and cpu_attention.prepare(torch.bfloat16) and builds.few.prefixgate_takes_tiles() == 1
+    assert (cpu_attention.slot_order(torch.bfloat16, 64, 64) is not None) == reads
+    assert cpu_attention.slot_order(torch.bfloat16, 64, 48) is None  # blocks of whole groups of 32 positions only
+    assert cpu_attention.slot_order(torch.bfloat16, 80, 64) is None  # heads the bfloat16 kernel does not take
+    assert cpu_attention.slot_order(torch.float32, 64, 64) is None

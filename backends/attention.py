@@ -40,9 +40,10 @@ _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions att
 # Past this many runs of shared positions read by the same rows (a prefix the tier stored in pieces), torch's kernels
 # attend them copied together each layer, in one call. Measured on SmolLM2 in bfloat16, 2 cores, a step of 8 streams on
 # a 4k prefix: 69 ms in one run, 76 in 4 and 97 in 16 attended one by one (a call and a merge each), 71 to 81 ms copied
-# together whatever their number (5 to 64). The C kernel merges in place and attends each run in a call of its own:
-# 16 runs cost as much more as the copy did (eager steps, float32, 2 cores: 57.1 ms against 48.2 in one run; 60.4
-# against 51.3 copied together with the build before).
+# together whatever their number (5 to 64). The C kernel merges in place, every run a part of the step's one call
+# (`cpu_attention.StepLayout`): compiled steps of 1, 8 and 16 streams on a 4k prefix in 16 runs of 256 took 13.43, 25.33
+# and 38.46 ms against 12.98, 22.08 and 32.57 in one run (bfloat16, 2 cores of the Zen 4 EPYC, in turn in one process),
+# where a call a run had taken 17.29, 31.97 and 45.86.
 _MOST_RUNS = 4
 _SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once, or scores to add `_attend_fused`
 # CUDA's memory-efficient attention, which returns the log-sum-exp (see `_attend_fused`)
@@ -227,7 +228,7 @@ def _kernel_layout(batch: PackedBatch) -> cpu_attention.StepLayout:
     for shared in batch.shared:
         rows = shared.rows
         first, count = (rows.start, rows.stop - rows.start) if isinstance(rows, slice) else (0, len(rows))
-        # A call a run, each merging into the rows what the one before left: in pieces, a prefix costs a call each.
+        # A part a run, each merging into the rows what the one before left (see `cpu_attention.StepLayout`).
         runs = [cpu_attention.Part(first, count, run, run.shape[3], None, batch.shared_tiled) for run in shared.kv]
         readers.append(cpu_attention.Readers(cpu_attention.Plan(runs), None if isinstance(rows, slice) else rows))
     return cpu_attention.StepLayout(cpu_attention.Plan(parts), readers)

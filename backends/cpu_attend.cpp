@@ -78,8 +78,9 @@ static void attend_checked(const prefixgate_step *step, const at::Tensor &q, con
 }
 
 /* Attend the step laid out: one kernel call writes each request's new K and V into its buffer and attends its own
-   positions, causally; then a call a run of shared positions merges it into its readers' rows (gathered and put back
-   where they are not side by side). All into one output in place, made in the layout the step returns. */
+   positions, causally, and the runs of shared positions whose readers lie side by side, each merged into its readers'
+   rows after the parts before it; then a call a run of the other readers' (gathered and put back). All into one output
+   in place, made in the layout the step returns. */
 static at::Tensor attend_step(const prefixgate_step *step, const at::Tensor &query, const at::Tensor &key,
                               const at::Tensor &value, int64_t layer, double scale) {
     // query: [1, heads, total, head_dim]; key, value: [1, kv_heads, total, head_dim]

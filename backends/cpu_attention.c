@@ -139,8 +139,8 @@ typedef struct {
 } part_plan;
 #define TILED (-2)
 
-typedef struct {  /* where a part's work and results are */
-    int64_t items, splits, chunks, first_item, parts_at, first_row;
+typedef struct {  /* where a part's work and results are, and the stage it merges in */
+    int64_t items, splits, chunks, first_item, parts_at, first_row, stage;
 } part_place;
 
 /* Item `item` of a part (one of its items): its KV head's keys and values in layer `layer`, and its chunks [first,
@@ -162,6 +162,9 @@ static ahead_of chunk_ahead(const elem *k, const elem *v, int64_t c, int64_t tok
     const int64_t t0 = c * KEYS, n = tokens - t0 < KEYS ? tokens - t0 : KEYS;
     return (ahead_of){(const char *)(k + t0 * d), (const char *)(v + t0 * d), 0, n * d * (int64_t)sizeof(elem), 0};
 }
+
+/* 1: a call's parts may read the same rows, merging in stages (see prefixgate_attend_parts). */
+int prefixgate_merges_in_stages(void) { return 1; }
 
 /* 1 where parts may come tiled (this build has TILES), else 0. */
 int prefixgate_takes_tiles(void) { return TILES; }
@@ -192,9 +195,11 @@ int prefixgate_lay_out(const elem *from, elem *to, int64_t layers, int64_t heads
    queries and out are rows of d contiguous elements (`elem`), lse float32, each placed by its strides (in elements);
    keys and values rows of d contiguous elements. A held lse of -infinity holds nothing: out is then only written. With new_k and
    new_v (the step's new keys and values, placed by their strides, rows as the queries'), a causal part first has its
-   rows' new keys and values written at positions [causal_from, causal_from + count). All parts run in one parallel
-   region, their items of work shared out as threads come free. Returns 0, -1 for sizes it does not take, -2 when
-   memory ran out (nothing attended then). */
+   rows' new keys and values written at positions [causal_from, causal_from + count). A part may read rows an earlier
+   part reads (a step's shared prefix, read by rows that also attend their own keys): it merges after that one, as if
+   called after it (the same bits). All parts run in one parallel region, their items of work shared out as threads
+   come free, and merge stage by stage. Returns 0, -1 for sizes it does not take, -2 when memory ran out (nothing
+   attended then). */
 int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *out, int64_t out_head,
                             int64_t out_row, float *lse, int64_t lse_head, int64_t lse_row, const elem *new_k,
                             int64_t new_k_head, int64_t new_k_row, const elem *new_v, int64_t new_v_head,
@@ -215,7 +220,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
     }
     /* the fewest with kv_heads * runs a multiple of the threads, within the bound on what the call holds */
     const int64_t runs = threads / common < MAX_RUNS ? threads / common : MAX_RUNS;
-    int64_t items = 0, floats = 0, merged_rows = 0;
+    int64_t items = 0, floats = 0, merged_rows = 0, stage = 0, stage_first = 0;
     for (int64_t p = 0; p < count; p++) {
         const part_plan *x = plan + p;
         if (x->tokens < 1 || x->count < 1 || x->causal_from >= x->tokens ||
@@ -225,7 +230,13 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             return -1;
         }
         const int64_t chunks = (x->tokens + KEYS - 1) / KEYS, splits = chunks < runs ? chunks : runs;
-        place[p] = (part_place){kv_heads * splits, splits, chunks, items, floats, merged_rows};
+        for (int64_t o = stage_first; o < p; o++)  /* rows an earlier part of this stage reads: a stage of its own */
+            if (plan[o].first < x->first + x->count && x->first < plan[o].first + plan[o].count) {
+                stage++;
+                stage_first = p;
+                break;
+            }
+        place[p] = (part_place){kv_heads * splits, splits, chunks, items, floats, merged_rows, stage};
         items += kv_heads * splits;
         floats += kv_heads * splits * groups * x->count * (d + 2);
         merged_rows += kv_heads * groups * x->count;
@@ -305,10 +316,14 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
         }
 #pragma omp barrier
         if (w) release_tiles();  /* past the barrier: `failed` is final */
-        if (!failed) {
-            int64_t p = 0;
+        /* Stage by stage (the parts on rows an earlier part reads come in a later stage): each `omp for` ends in a
+           barrier, so that a stage's rows merge into what the stage before left there, as a call of their own would. */
+        for (int64_t begin = 0, end; !failed && begin < count; begin = end) {
+            for (end = begin + 1; end < count && place[end].stage == place[begin].stage; end++) {}
+            const int64_t last_row = end < count ? place[end].first_row : merged_rows;
+            int64_t p = begin;
 #pragma omp for schedule(static)
-            for (int64_t row = 0; row < merged_rows; row++) {
+            for (int64_t row = place[begin].first_row; row < last_row; row++) {
                 while (place[p].first_row + kv_heads * groups * plan[p].count <= row) p++;
                 const part_plan *pp = plan + p;
                 const part_place *at = place + p;

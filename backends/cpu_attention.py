@@ -169,10 +169,11 @@ def attend_parts(
     new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attend each part's rows of queries `[1, heads, rows, d]` to its KV's layer `layer` as `attend_into` does, merged
-    into the same rows of `out` and `lse`; the parts' rows must not overlap. With `new`, the step's new keys and values
-    (each `[1, kv_heads, rows, d]`), a causal part's rows of them are first written into its KV at positions
-    `[causal_from, causal_from + length)`. One call for a step's requests, each over its own positions: the threads
-    start once and share out the work of every request, with no tensor made per request."""
+    into the same rows of `out` and `lse`; a part on rows an earlier part reads merges after it. With `new`, the
+    step's new keys and values (each `[1, kv_heads, rows, d]`), a causal part's rows of them are first written into its
+    KV at positions `[causal_from, causal_from + length)`. One call for a step's requests, each over its own positions
+    (and the shared ones they read): the threads start once and share out the work of every request, with no tensor
+    made per request."""
     dtype = queries.dtype
     kernels = _library(dtype)
     assert kernels is not None, "attend_parts where applies() said no"
@@ -277,15 +278,28 @@ class Readers(NamedTuple):
 class StepLayout:
     """A packed step laid out for `prefixgate::attend` in C++ (`cpu_attend.cpp`), which attends each of its layers
     with the kernel: each request's own part (writing its new keys and values first), then each run of shared
-    positions into its readers' rows. Set it on the thread that runs the step with `set_step`."""
+    positions into its readers' rows. Set it on the thread that runs the step with `set_step`.
+
+    The runs whose readers lie side by side in the step join the call of the requests' own parts, each merging after
+    the parts before it (`prefixgate_attend_parts` merges in stages), up to the first group of readers that does not:
+    one call a layer instead of one more a run. On SmolLM2's 4k prefix (bfloat16, compiled steps, 2 cores of the Zen 4
+    EPYC, the prefix in one run against two, in turn in one process), a second run cost 0.17, 0.49 and 1.15 ms a step
+    for 1, 8 and 16 streams as a call of its own, 0.05, 0.14 and 0.27 joined."""
 
     def __init__(self, own: Plan, readers: Sequence[Readers]) -> None:
         plans = (own, *(r.plan for r in readers))
         assert all((p.dtype, p.kv_heads, p.head_dim) == (own.dtype, own.kv_heads, own.head_dim) for p in plans)
         kernels = _library(own.dtype)
         assert kernels is not None and _operator() is not None, "StepLayout where takes() said no"
-        self.own, self.readers = own, tuple(readers)  # what the addresses below point into, alive as long as this
-        self._readers = (_Readers * len(readers))(*map(_Readers.of, readers))
+        joined = 0  # the leading groups of readers side by side (none where the kernel is from before stages)
+        while _merges_in_stages(kernels) and joined < len(readers) and readers[joined].rows is None:
+            joined += 1
+        # what the addresses below point into, alive as long as this
+        self.own, self.readers = own, tuple(readers)
+        self._call = (ctypes.c_int64 * sum(8 * len(p.parts) for p in plans[: joined + 1])).from_buffer_copy(
+            b"".join(bytes(p.laid_out) for p in plans[: joined + 1])
+        )
+        self._readers = (_Readers * (len(readers) - joined))(*map(_Readers.of, readers[joined:]))
         self.laid_out = _Step(
             kernel=_address(kernels.few),
             many_rows_kernel=_address(kernels.many),
@@ -294,11 +308,16 @@ class StepLayout:
             kv_heads=own.kv_heads,
             head_dim=own.head_dim,
             layers=min(p.layers for p in plans),
-            parts=len(own.parts),
-            plans=ctypes.addressof(own.laid_out),
-            groups=len(readers),
+            parts=len(self._call) // 8,
+            plans=ctypes.addressof(self._call),
+            groups=len(readers) - joined,
             readers=ctypes.addressof(self._readers),
         )
+
+
+def _merges_in_stages(kernels: Kernels) -> bool:
+    """Say whether a build of the kernel takes parts that read the same rows (sources from before it do not)."""
+    return getattr(kernels.few, "prefixgate_merges_in_stages", None) is not None
 
 
 def set_step(layout: StepLayout | None) -> None:

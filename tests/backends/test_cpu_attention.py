@@ -165,6 +165,52 @@ def test_one_call_writes_each_parts_new_keys_and_attends_it_to_its_own_keys_only
         torch.testing.assert_close(out[:, :, rows].float(), expected, **close(dtype))
 
 
+@pytest.mark.parametrize(("dtype", "build"), BUILDS, ids=[cpu_attention.build_name(build) for _, build in BUILDS])
+def test_parts_that_read_the_same_rows_merge_in_one_call_as_in_calls_one_after_another(
+    dtype: torch.dtype, build: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step's own parts (their new keys written first), then runs of shared positions read by some of the same rows,
+    # in one call: each part on rows an earlier part reads merges after it, to the bits of a call a part in order.
+    # Stages here: the own parts; the first run (rows 2 to 12); the second (rows 0 to 9, over 3 runs of 256 keys);
+    # and beside it, in the same stage, a run read by rows 10 to 12 only.
+    library = cpu_attention._load(build)
+    assert not isinstance(library, str), library
+    monkeypatch.setattr(cpu_attention, "_library", lambda dtype: cpu_attention.Kernels(library, library))
+    torch.manual_seed(0)
+    queries = torch.randn(1, 6, 13, 64).to(dtype)
+    new = tuple((torch.randn(1, 13, 2, 64) * 2).to(dtype).transpose(1, 2) for _ in range(2))
+    own = [(torch.randn(1, 2, 2, 40, 64) * 2).to(dtype) for _ in range(3)]
+    shared = [(torch.randn(1, 2, 2, tokens, 64) * 2).to(dtype) for tokens in (300, 700, 90)]
+    parts = [
+        *(
+            cpu_attention.Part(first, count, kv, 30 + count, 30)
+            for (first, count), kv in zip([(0, 2), (2, 1), (3, 10)], own, strict=True)
+        ),
+        cpu_attention.Part(2, 11, shared[0], 300),
+        cpu_attention.Part(0, 10, shared[1], 700),
+        cpu_attention.Part(10, 3, shared[2], 90),
+    ]
+    held, held_lse = torch.randn(1, 6, 13, 64).to(dtype), torch.full((1, 6, 13), float("-inf"))
+    results = []
+    for together in (True, False):
+        out, lse = held.clone(), held_lse.clone()
+        for kv in own:
+            kv[..., 30:, :] = 0  # the new positions, as before any call wrote them
+        calls = [parts] if together else [[part] for part in parts]
+        for call in calls:
+            writes = new if any(part.causal_from is not None for part in call) else None
+            cpu_attention.attend_parts(queries, cpu_attention.Plan(call), 0, 0.125, out, lse, new=writes)
+        results.append((out, lse, [kv.clone() for kv in own]))
+    (out, lse, written), (expected, expected_lse, expected_written) = results
+    assert torch.equal(lse, expected_lse) and torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(written, expected_written, strict=True))
+    row = 9  # the third own part's seventh row: its first 37 positions, then the first two runs
+    kv = torch.cat([written[2][0, :, :, :37], shared[0][0], shared[1][0]], dim=2)
+    reference_out, reference_lse = reference(queries[:, :, row : row + 1], kv[0], kv[1], 0.125)
+    torch.testing.assert_close(lse[:, :, row : row + 1].double(), reference_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[:, :, row : row + 1].double(), reference_out, **close(dtype))
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
 def test_queries_and_outputs_are_read_and_written_where_their_strides_say(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -487,17 +533,27 @@ def test_a_step_on_a_shared_prefix_attends_with_the_kernel_as_with_torchs(dtype:
     buffers = torch.randn(3, 2, 2, 3, 64, 64).to(dtype)  # each request's own: [layers, 2, kv_heads, capacity, d]
     query = torch.randn(1, 9, 6, 64).to(dtype)  # 3 requests of 2 new tokens each
     key, value = torch.randn(2, 1, 3, 6, 64).to(dtype)
-    for readers in ((0, 1), (0, 2)):  # the requests reading the prefix side by side in the step, and not
+    # The same prefix in two runs, and a third after them (a document after a system prompt, say).
+    first, second, child = prefix[:, :, :, :1024], prefix[:, :, :, 1024:], torch.randn(2, 2, 3, 64, 64).to(dtype)
+    cases = [  # what each request reads, and the kernel's calls a layer
+        ({0: (prefix,), 1: (prefix,)}, 1),  # the readers side by side in the step: their run joins the requests' call
+        ({0: (prefix,), 2: (prefix,)}, 2),  # not side by side: gathered for a call of their own
+        ({0: (first, second), 1: (first, second, child)}, 1),  # runs and a nested prefix, all in the requests' call
+        ({0: (first, second, child), 2: (first, second)}, 3),  # gathered, then the nested one in a call after them
+    ]
+    for reads, calls in cases:
+        held = {i: sum(run.shape[3] for run in runs) for i, runs in reads.items()}
         outputs, written, called = {}, {}, {}
         for operator in ("attend", "attend_torch"):
             own = buffers.clone()
             segments = tuple(
-                attention_module.Segment(own[i], 2048 + 20, 2, 2048, (prefix,))
-                if i in readers
+                attention_module.Segment(own[i], held[i] + 20, 2, held[i], reads[i])
+                if i in reads
                 else attention_module.Segment(own[i], 20, 2)
                 for i in range(3)
             )
             batch = attention_module.PackedBatch.of(segments)
+            assert 1 + attention_module._kernel_layout(batch).laid_out.groups == calls
             with attention_module.packed_step(batch), operators_called() as called[operator]:
                 outputs[operator] = getattr(torch.ops.prefixgate, operator)(query, key, value, 1, 0.125, None, None)
             written[operator] = own

@@ -816,8 +816,10 @@ class TieredStore:
             if below.persistent and below.contains(key):
                 moved = True  # written through already: not even looked at (a look in a tier's own order copies)
             elif (block := tier.peek(key)) is not None:
-                # The tensor is a view into this tier's pool, and the disk writer encodes it later: copy it.
-                kv = block.kv.clone() if below.persistent else block.kv
+                # A view into this tier's pool, which the disk writer would encode later: copied first, unless the look
+                # copied it already (a tier in an order of its own gives blocks in token order).
+                copied = isinstance(tier, MemoryTier) and tier.order is not None
+                kv = block.kv.clone() if below.persistent and not copied else block.kv
                 moved = self._insert(level + 1, replace(block, kv=kv), keep)
         tier.remove(key)
         tier.counters.add("demotions" if moved else "evictions")

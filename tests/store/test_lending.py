@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from prefixgate.store import Borrowed, TieredStore
@@ -210,3 +211,22 @@ def test_a_top_tier_in_an_order_of_its_own_lends_in_it_and_gives_every_block_in_
         again.kv[0], torch.cat([b.kv.flip(3) for b in blocks[:2]], 3)
     )
     again.give_back()
+
+
+@pytest.mark.parametrize("order", [None, Reversed()], ids=["token order", "an order of its own"])
+def test_a_block_demoted_to_disk_keeps_its_bytes_though_its_slot_is_taken_at_once(
+    open_store: StoreFactory, order: Reversed | None
+) -> None:
+    # A block not on disk (dropped there) is demoted as the top tier makes room: the disk writer encodes it later, so
+    # it is handed a block of its own, not the slot that the next block takes at once.
+    store = open_store(config(host=8 * BLOCK), order=order)
+    blocks = make_blocks(store, PROMPT)
+    store.put(blocks)
+    store.wait_for_writes()
+    disk = store.tiers[-1]
+    assert disk.remove(blocks[0].key) and disk.peek(blocks[0].key) is None
+    store.put(make_blocks(store, OTHER))  # 8 blocks: PROMPT's make room, into the slots they leave
+    store.wait_for_writes()
+    on_disk = disk.peek(blocks[0].key)
+    assert on_disk is not None and torch.equal(on_disk.kv, blocks[0].kv)
+    assert host(store).counters.demotions >= 1

@@ -82,7 +82,7 @@ def takes(kv: torch.Tensor) -> bool:
     """Say whether the kernel attends a packed step over buffers like `kv` (`[layers, 2, kv_heads, capacity, d]`):
     through `StepLayout` and the step's C++ operator (see the module's docstring)."""
     head_dim = kv.shape[-1]
-    return _sizes_fit(kv, head_dim) and kv.stride()[3:] == (head_dim, 1) and prepare(kv.dtype)
+    return _sizes_fit(kv.device, kv.dtype, head_dim) and kv.stride()[3:] == (head_dim, 1) and prepare(kv.dtype)
 
 
 def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -90,7 +90,7 @@ def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
     `[2, kv_heads, tokens, d]` (see the module's docstring)."""
     head_dim = queries.shape[-1]
     return (
-        _sizes_fit(queries, head_dim)
+        _sizes_fit(queries.device, queries.dtype, head_dim)
         and queries.dtype == kv.dtype
         and kv.shape[2] > 0
         and kv.stride()[2:] == (head_dim, 1)
@@ -98,10 +98,11 @@ def applies(queries: torch.Tensor, kv: torch.Tensor) -> bool:
     )
 
 
-def _sizes_fit(x: torch.Tensor, head_dim: int) -> bool:
-    """Say whether the kernel takes `x`'s device and dtype with heads of `head_dim` (see the module's docstring)."""
-    multiple = _DIM_MULTIPLE.get(x.dtype)
-    return x.device.type == "cpu" and multiple is not None and head_dim % multiple == 0 and head_dim <= 256
+def _sizes_fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Say whether the kernel takes tensors on `device` in `dtype` with heads of `head_dim` (see the module's
+    docstring)."""
+    multiple = _DIM_MULTIPLE.get(dtype)
+    return device.type == "cpu" and multiple is not None and head_dim % multiple == 0 and head_dim <= 256
 
 
 def attend_into(
@@ -260,7 +261,7 @@ def _lay_out_function() -> Any:
 def slot_order(dtype: torch.dtype, head_dim: int, block_size: int) -> KernelOrder | None:
     """Return the order a memory tier lending prefixes to this kernel's steps lays its slots out in, where the kernel
     reads them in place that way (see `KernelOrder`); None where it reads them in token order."""
-    if dtype != torch.bfloat16 or block_size % 32 or not _sizes_fit(torch.empty(0, dtype=dtype), head_dim):
+    if dtype != torch.bfloat16 or block_size % 32 or not _sizes_fit(torch.device("cpu"), dtype, head_dim):
         return None
     kernels = _library(dtype) if prepare(dtype) else None
     return KernelOrder() if kernels is not None and kernels.few.prefixgate_takes_tiles() else None

@@ -227,15 +227,27 @@ class ModelRunner:
 
     def _run(self, step: _Step, inputs: Sequence[StepInput]) -> torch.Tensor:
         assert self._takes_logits_to_keep, "packed steps need logits_to_keep (every packed model has it)"
-        segments = tuple(Segment(i.kv, i.start, len(i.token_ids), i.offset, i.shared) for i in inputs)
+        # Packed by the shared prefixes they read (root first, so that a nested prefix's readers come together inside
+        # its parent's), the rest in the order given: readers side by side join the requests' one kernel call a layer
+        # (`cpu_attention.StepLayout`) where readers apart are gathered for calls of their own. Compiled steps of 8
+        # streams on SmolLM2's 4k prefix with 8 short ones (bfloat16, 2 cores of the Zen 4 EPYC, in turn in one process)
+        # took 28.12 ms interleaved against 27.21 grouped.
+        order: Sequence[int] = range(len(inputs))
+        if any(i.shared for i in inputs):
+            order = sorted(order, key=lambda index: tuple(map(id, inputs[index].shared)))
+        packed = [inputs[index] for index in order]
+        segments = tuple(Segment(i.kv, i.start, len(i.token_ids), i.offset, i.shared) for i in packed)
         batch = PackedBatch.of(segments, self.device, shared_tiled=self.shared_tiled)
-        ids = [token for i in inputs for token in i.token_ids]
-        positions = [p for i in inputs for p in range(i.start, i.start + len(i.token_ids))]
+        ids = [token for i in packed for token in i.token_ids]
+        positions = [p for i in packed for p in range(i.start, i.start + len(i.token_ids))]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # input_ids: [1, total]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # position_ids: [1, total]
-        # The positions whose logits are kept: each segment's last token, or every token of those that ask.
+        # The positions whose logits are kept, in the inputs' order: each one's last token, or every token of those
+        # that ask.
+        ends = dict(zip(order, batch.cu_seqlens[1:], strict=True))
         kept: list[int] = []
-        for i, end in zip(inputs, batch.cu_seqlens[1:], strict=True):
+        for index, i in enumerate(inputs):
+            end = ends[index]
             kept.extend(range(end - len(i.token_ids), end) if i.every_logit else (end - 1,))
         # last: [max(kept, 2)]; a single position twice, so that the count is never 1 (a graph of its own when compiled)
         last = torch.tensor(kept * (2 if len(kept) == 1 else 1), device=self.device)

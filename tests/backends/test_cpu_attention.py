@@ -593,24 +593,33 @@ async def test_requests_on_a_shared_prefix_give_the_tokens_they_give_alone(
     ] * len(layouts)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
-def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and_decode_shared_or_not(
-    dtype: torch.dtype, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
-) -> None:
+SHAPE = (2, 2, 2, 320, 64)  # a request's buffer in the tiny Llama with heads of 64: [layers, 2, kv_heads, positions, d]
+
+
+def prefilled(tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype) -> tuple[ModelRunner, list[int], torch.Tensor]:
+    """Return a runner of the tiny Llama with heads of 64 (the kernel's), a 300-token prompt, and a buffer holding
+    its first 256 positions' K and V."""
     model = make_llama(tokenizer, head_dim=64).to(dtype)
     model.set_attn_implementation(attention_module.NAME)
     runner = ModelRunner(model)
     prompt = make_prompt(300)
-    shape = (2, 2, 2, 320, 64)  # [layers, 2, kv_heads, positions, head_dim]
-    first = torch.zeros(shape, dtype=dtype)
+    first = torch.zeros(SHAPE, dtype=dtype)
     with torch.inference_mode():
         runner.run([StepInput(prompt[:256], first, 0)])
+    return runner, prompt, first
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and_decode_shared_or_not(
+    dtype: torch.dtype, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, prompt, first = prefilled(tokenizer, dtype)
     prefix = first[:, :, :, :256].clone()  # a cached prefix: read in place by one request, copied by the other
     logits = {}
     for kernel in (True, False):
         if not kernel:
             monkeypatch.setattr(cpu_attention, "_library", lambda dtype: None)
-        own, whole = torch.zeros(shape, dtype=dtype), first.clone()
+        own, whole = torch.zeros(SHAPE, dtype=dtype), first.clone()
         steps = [
             # A prompt chunk after the prefix, then a decode step, of each at once.
             [StepInput(prompt[256:299], own, 256, 256, (prefix,)), StepInput(prompt[256:299], whole, 256)],
@@ -626,6 +635,45 @@ def test_steps_with_the_kernel_give_the_logits_of_torchs_kernels_for_prefill_and
     atol = 4 * unit.item() if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(logits[True], logits[False], atol=atol, rtol=0)
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_NAME)
+def test_a_step_packs_the_readers_of_a_prefix_side_by_side_and_gives_logits_in_the_inputs_order(
+    dtype: torch.dtype, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Requests on a shared prefix and requests without one, alternating in a step: the readers are packed together,
+    # so their prefix joins the step's one kernel call, and each input's logits are where the input was.
+    runner, prompt, first = prefilled(tokenizer, dtype)
+    prefix = (first[:, :, :, :256].clone(),)
+    own = [torch.zeros(SHAPE, dtype=dtype) for _ in range(4)]
+    steps = [  # a chunk of each, then a token of each: readers first, third; the others read nothing shared
+        [
+            StepInput(prompt[256 + i : 280 + i], kv, 256, 256, prefix)
+            if i % 2 == 0
+            else StepInput(prompt[i : 24 + i], kv, 0)
+            for i, kv in enumerate(own)
+        ],
+        [
+            StepInput([prompt[280 + i]], kv, 280, 256, prefix) if i % 2 == 0 else StepInput([prompt[24 + i]], kv, 24)
+            for i, kv in enumerate(own)
+        ],
+    ]
+    calls: list[int] = []  # the kernel's calls a layer of each step
+    laid_out = attention_module._kernel_layout
+
+    def counted(batch: attention_module.PackedBatch) -> cpu_attention.StepLayout:
+        layout = laid_out(batch)
+        calls.append(1 + layout.laid_out.groups)
+        return layout
+
+    monkeypatch.setattr(attention_module, "_kernel_layout", counted)
+    with torch.inference_mode():
+        together = [runner.run(step) for step in steps]
+        assert calls == [1, 1]  # the readers side by side: their prefix in the requests' own call
+        alone = [torch.cat([runner.run([one]) for one in step]) for step in steps]
+    for logits, expected in zip(together, alone, strict=True):
+        torch.testing.assert_close(logits, expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
 def test_dtypes_and_heads_it_does_not_take_go_to_torchs_kernel() -> None:

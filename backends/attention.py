@@ -41,9 +41,9 @@ _GROUPED_CONTEXT = 3072  # a prompt chunk after at least this many positions att
 # attend them copied together each layer, in one call. Measured on SmolLM2 in bfloat16, 2 cores, a step of 8 streams on
 # a 4k prefix: 69 ms in one run, 76 in 4 and 97 in 16 attended one by one (a call and a merge each), 71 to 81 ms copied
 # together whatever their number (5 to 64). The C kernel merges in place, every run a part of the step's one call
-# (`cpu_attention.StepLayout`): compiled steps of 1, 8 and 16 streams on a 4k prefix in 16 runs of 256 took 13.43, 25.33
-# and 38.46 ms against 12.98, 22.08 and 32.57 in one run (bfloat16, 2 cores of the Zen 4 EPYC, in turn in one process),
-# where a call a run had taken 17.29, 31.97 and 45.86.
+# (`cpu_attention.StepLayout`): compiled steps of 1, 8 and 16 streams on a 4k prefix in 16 runs of 256 took 12.23, 22.78
+# and 33.20 ms where a call a run took 14.85, 27.91 and 41.17 (bfloat16, 2 cores of the Zen 4 EPYC, `step_bench.py
+# --dtype bfloat16 --prefix 4096 --runs 16 --attention-against DIR`), about a tenth more than in one run.
 _MOST_RUNS = 4
 _SCORES_BYTES = 64 << 20  # the most float32 scores `_attend_exactly` holds at once, or scores to add `_attend_fused`
 # CUDA's memory-efficient attention, which returns the log-sum-exp (see `_attend_fused`)

@@ -10,7 +10,8 @@ linear layers reach the same kernel through an operator written in Python (as ev
 alike: it adds the second copy's times and the median of the step-by-step ratio. With `--prefix N` every stream reads a
 shared prefix of N positions first (random K and V, one tensor read in place by all, as a tier lends a cached prefix,
 in the kernel's order where a server's store lays its top tier out so: `cpu_attention.KernelOrder`; for the kernel
-from DIR below too where it takes that order, in token order where its sources are from before).
+from DIR below too where it takes that order, in token order where its sources are from before). With `--runs K` that
+prefix is lent in K runs of equal length, as a tier lends a prefix it holds in pieces.
 With `--attention-against DIR` each step is also timed with the attention kernel built from the sources in DIR
 (`cpu_attention.c` and its two headers, say an earlier commit's `backends/`), the two kernels taking turns on the same
 model: it adds that column and the median of the step-by-step ratio.
@@ -107,7 +108,7 @@ def step_inputs(
 ) -> list[StepInput]:
     """Return decode step `at` of one stream a buffer, after the shared prefix (if any) and `CONTEXT` tokens of each;
     with `prompt`, that many new tokens of each instead, at the same positions every step."""
-    held = shared[0].shape[3] if shared else 0
+    held = sum(run.shape[3] for run in shared)
     if prompt:
         tokens = [list(range(7 + i, 7 + i + prompt)) for i in range(len(buffers))]
         return [StepInput(ids, kv, held + CONTEXT, held, shared) for ids, kv in zip(tokens, buffers, strict=True)]
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--python-linear", action="store_true", help="also a copy behind a Python operator (float32)")
     parser.add_argument("--attention-against", type=Path, metavar="DIR", help="also the attention kernel from DIR")
     parser.add_argument("--prefix", type=int, default=0, help="positions of a shared prefix every stream reads first")
+    parser.add_argument("--runs", type=int, default=1, help="the prefix lent in this many runs of equal length")
     parser.add_argument("--profile", action="store_true", help="also where a step's time goes, by operator")
     parser.add_argument("--prompt", type=int, default=0, help="each step N new tokens of every stream, not one")
     args = parser.parse_args()
@@ -148,6 +150,8 @@ def main() -> None:
     most = POSITIONS - CONTEXT - 10 - PROFILED  # decode steps go on past the 10 not counted and the profiled ones
     if args.steps < 1 or (args.steps > most and not args.prompt):
         parser.error(f"--steps takes 1 to {most} decode steps: each stream's buffer holds {POSITIONS} positions")
+    if args.runs < 1 or args.prefix % args.runs:
+        parser.error("--runs takes a count that divides --prefix")
     if not packed_linear.packs(dtype) or (dtype == torch.float32 and not packed_linear._kernel()):
         print(f"{args.dtype} weights are not prepacked on this CPU, or the kernel does not build here")
         return
@@ -170,13 +174,16 @@ def main() -> None:
             ways["attention from DIR"] = (loaded["this build"][1], against)
         print(f"SmolLM2-135M-Instruct, {args.dtype} prepacked, compiled, {torch.get_num_threads()} threads")
         said = [f"each stream on a shared prefix of {args.prefix} positions"] if args.prefix else []
+        said += [f"lent in {args.runs} runs"] if args.prefix and args.runs > 1 else []
         said += [f"each step {args.prompt} new tokens of every stream"] if args.prompt else []
         print("".join(f"{line}\n" for line in said))
         first, p = ways["this build"][0], args.prefix
         # Lent in the order a server's store lays its top tier out in for this build; for the kernel from DIR too
         # where it reads that order (sources from before it read tokens' order).
-        tiled = loaded["this build"][0].slot_order is not None and p % 32 == 0
-        shared = (new_buffer(first, p, torch.randn),) if p else ()  # the same random K and V for every copy
+        length = p // args.runs
+        tiled = loaded["this build"][0].slot_order is not None and length % 32 == 0
+        whole = new_buffer(first, p, torch.randn)  # the same random K and V for every copy
+        shared = tuple(whole[:, :, :, at : at + length] for at in range(0, p, length)) if p else ()
         ours = cpu_attention._library
         rows, profiles = [], []
         for count in args.streams:

@@ -220,7 +220,7 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
     }
     /* the fewest with kv_heads * runs a multiple of the threads, within the bound on what the call holds */
     const int64_t runs = threads / common < MAX_RUNS ? threads / common : MAX_RUNS;
-    int64_t items = 0, floats = 0, merged_rows = 0, stage = 0, stage_first = 0;
+    int64_t items = 0, floats = 0, merged_rows = 0, stage = 0, low = 0, high = 0;  /* [low, high): the stage's rows */
     for (int64_t p = 0; p < count; p++) {
         const part_plan *x = plan + p;
         if (x->tokens < 1 || x->count < 1 || x->causal_from >= x->tokens ||
@@ -230,12 +230,14 @@ int prefixgate_attend_parts(const elem *q, int64_t q_head, int64_t q_row, elem *
             return -1;
         }
         const int64_t chunks = (x->tokens + KEYS - 1) / KEYS, splits = chunks < runs ? chunks : runs;
-        for (int64_t o = stage_first; o < p; o++)  /* rows an earlier part of this stage reads: a stage of its own */
-            if (plan[o].first < x->first + x->count && x->first < plan[o].first + plan[o].count) {
-                stage++;
-                stage_first = p;
-                break;
-            }
+        const int64_t end = x->first + x->count;
+        if (p > 0 && x->first < high && low < end) {  /* rows within the span of this stage's: the next stage */
+            stage++;
+            low = x->first, high = end;
+        } else {
+            low = p > 0 && low < x->first ? low : x->first;
+            high = high > end ? high : end;
+        }
         place[p] = (part_place){kv_heads * splits, splits, chunks, items, floats, merged_rows, stage};
         items += kv_heads * splits;
         floats += kv_heads * splits * groups * x->count * (d + 2);

@@ -146,11 +146,12 @@ class MemoryTier(Tier):
             index = slot.index
         view = self.span(index, 1)  # kv: [layers, 2, kv_heads, block_size, head_dim]
         # A slot being read keeps its K and V: a block of the same key holds the same tokens' K and V.
-        if index not in self._readers and self.order is not None:
-            self.order.write(view, block.kv)
-        elif index not in self._readers:
-            # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
-            view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
+        if index not in self._readers:
+            if self.order is not None:
+                self.order.write(view, block.kv)
+            else:
+                # Asynchronous only host-to-device: the CPU may read a host copy right away, so copies to it block.
+                view.copy_(block.kv, non_blocking=view.is_cuda and block.kv.is_pinned())
         stored = Block(block.key, block.tokens, view, block.parent, block.tenant, block.created)
         self._slots.set(block.key, block.parent, _Slot(index, stored, keep))
         self._holders[index] = block.key
